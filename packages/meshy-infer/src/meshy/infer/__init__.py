@@ -1,0 +1,1 @@
+"""Meshy infer."""
