@@ -1,0 +1,417 @@
+"""The data-plane client: tables, leased consumption, control streams.
+
+Thread-safe: each thread gets its own sockets. Every call has a deadline; a server that does not
+answer within `rpc_timeout_s` raises ServerUnavailable. Long waits are cut into `wait_slice_s` slices,
+so a controller that dies during a wait is noticed within a slice plus the RPC timeout.
+"""
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+from transfer_queue.utils.zmq_utils import format_zmq_address
+
+from meshy.dataplane.audit import DUPLICATE, SequenceAudit
+from meshy.dataplane.config import DataPlaneConfig
+from meshy.dataplane.endpoints import Endpoints
+from meshy.dataplane.errors import (
+    REMOTE_ERRORS,
+    AccessDenied,
+    DataPlaneError,
+    RowConflictError,
+    SchemaError,
+    ServerUnavailable,
+)
+from meshy.dataplane.schema import TableSpec, check_row_ids
+from meshy.dataplane.security import Credentials
+from meshy.dataplane.storage_io import StorageChannel
+from meshy.dataplane.streams import START_LATEST
+from meshy.dataplane.tables import AckResult
+from meshy.dataplane.wire import decode_reply, encode_request
+
+_payloads = msgspec.msgpack.Encoder()
+_payload_decoder = msgspec.msgpack.Decoder()
+
+
+@dataclass
+class Batch:
+    """Rows leased to one consumer of one task. Ack them (client.ack) before `deadline` (time.monotonic)."""
+
+    table: str
+    task: str
+    lease_id: int
+    deadline: float
+    row_ids: list[int]
+    group_ids: list[int]
+    columns: dict[str, torch.Tensor | list]
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+
+@dataclass(frozen=True)
+class StreamMessage:
+    seq: int
+    time: float
+    payload: Any
+
+
+class DataPlaneClient:
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        secret: bytes,
+        config: DataPlaneConfig | None = None,
+        name: str = "client",
+    ):
+        self.config = config or DataPlaneConfig()
+        self.endpoints = endpoints
+        self.consumer_id = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._creds = Credentials.from_secret(secret, endpoints.encrypted)
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._request_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._sockets: list[zmq.Socket] = []
+        self._storage_channels: list[StorageChannel] = []
+        self._tables: dict[str, TableSpec] = {}
+        self._free_keys: dict[str, list[int]] = {}
+        self._closed = False
+        self._check_access()
+
+    # ---- transport ----------------------------------------------------------------------------
+    @property
+    def _controller_address(self) -> str:
+        c = self.endpoints.controller
+        return format_zmq_address(c["ip"], c["ports"]["request_handle_socket"])
+
+    def _controller_socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "controller", None)
+        if sock is None:
+            if self._closed:
+                raise DataPlaneError("the client is closed")
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            self._creds.secure_client(sock)
+            sock.connect(self._controller_address)
+            self._local.controller = sock
+            with self._lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _storage(self) -> StorageChannel:
+        channel = getattr(self._local, "storage", None)
+        if channel is None:
+            channel = StorageChannel(
+                self._ctx, list(self.endpoints.storage), self._creds, self.config.rpc_timeout_s, self.consumer_id
+            )
+            self._local.storage = channel
+            with self._lock:
+                self._storage_channels.append(channel)
+        return channel
+
+    def _check_access(self) -> None:
+        """Ping the controller once, telling refused credentials apart from a server that is down."""
+        probe = self._ctx.socket(zmq.DEALER)
+        probe.linger = 0
+        monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self._creds.secure_client(probe)
+        probe.connect(self._controller_address)
+        try:
+            probe.send_multipart(encode_request("ping", 0, {}))
+            if probe.poll(self.config.rpc_timeout_s * 1000):
+                decode_reply(probe.recv())
+                return
+            if monitor.poll(0):
+                raise AccessDenied(
+                    f"the data-plane controller at {self._controller_address} refused this client's "
+                    "credentials: the run secret does not match"
+                )
+            raise ServerUnavailable(
+                f"the data-plane controller at {self._controller_address} did not answer "
+                f"within rpc_timeout_s={self.config.rpc_timeout_s}"
+            )
+        finally:
+            probe.disable_monitor()
+            monitor.close(linger=0)
+            probe.close(linger=0)
+
+    def _call(self, op: str, args: dict, timeout_s: float | None = None) -> Any:
+        sock = self._controller_socket()
+        request_id = next(self._request_ids)
+        sock.send_multipart(encode_request(op, request_id, args))
+        deadline = time.monotonic() + (timeout_s or self.config.rpc_timeout_s)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(remaining * 1000):
+                # The socket may still get this reply later; replies carry ids, so it is simply skipped.
+                raise ServerUnavailable(
+                    f"the data-plane controller at {self._controller_address} did not answer '{op}' "
+                    f"within {timeout_s or self.config.rpc_timeout_s:.1f}s"
+                )
+            reply = decode_reply(sock.recv())
+            if reply["id"] != request_id:
+                continue
+            if reply["ok"]:
+                return reply["result"]
+            error = reply["error"]
+            raise REMOTE_ERRORS.get(error["kind"], DataPlaneError)(error["message"])
+
+    def _wait_call(self, op: str, args: dict, timeout_s: float, done: Callable[[Any], bool]) -> Any:
+        """A call the controller may hold until `done(result)` or the wait ends, in slices."""
+        if not timeout_s >= 0:
+            raise SchemaError(f"{op}: timeout must be seconds >= 0, got {timeout_s!r}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait_s = max(0.0, min(self.config.wait_slice_s, deadline - time.monotonic()))
+            result = self._call(op, {**args, "wait_s": wait_s}, timeout_s=wait_s + self.config.rpc_timeout_s)
+            if done(result) or time.monotonic() >= deadline:
+                return result
+
+    # ---- tables -------------------------------------------------------------------------------
+    def create_table(self, spec: TableSpec) -> TableSpec:
+        """Create a table, or check that an existing one has exactly this schema (every rank may call it)."""
+        if not isinstance(spec, TableSpec):
+            raise SchemaError(f"create_table: expected a TableSpec, got {type(spec).__name__}")
+        self._call("create_table", {"spec": spec.to_wire()})
+        self._tables[spec.name] = spec
+        return spec
+
+    def table(self, name: str) -> TableSpec:
+        spec = self._tables.get(name)
+        if spec is None:
+            spec = self._tables[name] = TableSpec.from_wire(self._call("get_table", {"table": name}))
+        return spec
+
+    def put(
+        self,
+        table: str,
+        row_ids: Sequence[int],
+        columns: Mapping[str, Any],
+        group_ids: Sequence[int] | None = None,
+    ) -> None:
+        """Add new rows with some of their columns. Fails whole (nothing visible) on any conflict."""
+        if group_ids is not None and (
+            len(group_ids) != len(row_ids)
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in group_ids)
+        ):
+            raise SchemaError(f"table '{table}': group_ids: expected {len(row_ids)} non-negative ints")
+        self._write(table, True, row_ids, columns, group_ids, None)
+
+    def add_columns(
+        self,
+        table: str,
+        row_ids: Sequence[int],
+        columns: Mapping[str, Any],
+        ack: "Batch | None" = None,
+    ) -> AckResult | None:
+        """Add columns to existing rows; with `ack`, also ack that batch's rows for its task, atomically."""
+        ack_args = None
+        if ack is not None:
+            ack_args = {"task": ack.task, "row_ids": list(ack.row_ids)}
+            if ack.table != table:
+                raise SchemaError(f"add_columns: ack is a batch of table '{ack.table}', not '{table}'")
+        result = self._write(table, False, row_ids, columns, None, ack_args)
+        return AckResult(**result["ack"]) if ack is not None else None
+
+    def _write(
+        self,
+        table: str,
+        new: bool,
+        row_ids: Sequence[int],
+        columns: Mapping[str, Any],
+        group_ids: Sequence[int] | None,
+        ack: dict | None,
+    ) -> dict:
+        spec = self.table(table)
+        spec.check_write(row_ids, columns)
+        keys = self._take_keys(table, len(row_ids))
+        args = {
+            "table": table,
+            "new": new,
+            "row_ids": list(row_ids),
+            "group_ids": list(group_ids) if group_ids is not None else None,
+            "columns": list(columns),
+            "keys": keys,
+            "ack": ack,
+            "consumer": self.consumer_id,
+        }
+        try:
+            self._storage().put(keys, dict(columns))
+            return self._call("commit", args)
+        except (SchemaError, RowConflictError):
+            self._return_keys(table, keys)  # nothing references them; their storage is rewritten on reuse
+            raise
+
+    def _take_keys(self, table: str, n: int) -> list[int]:
+        with self._lock:
+            free = self._free_keys.setdefault(table, [])
+            if len(free) < n:
+                free += self._call("alloc", {"table": table, "n": max(n - len(free), self.config.alloc_block)})
+            keys, self._free_keys[table] = free[:n], free[n:]
+        return keys
+
+    def _return_keys(self, table: str, keys: list[int]) -> None:
+        with self._lock:
+            self._free_keys.setdefault(table, []).extend(keys)
+
+    def lease(
+        self,
+        table: str,
+        task: str,
+        columns: Sequence[str],
+        count: int = 1,
+        *,
+        min_count: int | None = None,
+        whole_groups: bool = False,
+        lease_s: float | None = None,
+        timeout: float = 60.0,
+    ) -> Batch | None:
+        """Lease up to `count` rows (or whole groups) whose `columns` are all ready and that `task` has not
+        consumed; waits until at least `min_count` (default: count) are ready, or returns None at timeout."""
+        spec = self.table(table)
+        columns = list(columns)
+        if not columns:
+            raise SchemaError(f"lease from table '{table}': expected at least one column")
+        for c in columns:
+            spec.column(c)
+        lease_s = self.config.lease_s if lease_s is None else lease_s
+        if not lease_s > 0:
+            raise SchemaError(f"lease: lease_s must be seconds > 0, got {lease_s!r}")
+        args = {
+            "table": table,
+            "task": task,
+            "columns": columns,
+            "whole_groups": whole_groups,
+            "count": count,
+            "min_count": count if min_count is None else min_count,
+            "lease_s": lease_s,
+            "consumer": self.consumer_id,
+        }
+        leased = self._wait_call("lease", args, timeout, done=bool)
+        if not leased:
+            return None
+        deadline = time.monotonic() + leased["deadline"]
+        return Batch(
+            table=table,
+            task=task,
+            lease_id=leased["lease_id"],
+            deadline=deadline,
+            row_ids=leased["row_ids"],
+            group_ids=leased["group_ids"],
+            columns=self._fetch(spec, leased["keys"]),
+        )
+
+    def _fetch(self, spec: TableSpec, keys: dict[str, list[int]]) -> dict[str, torch.Tensor | list]:
+        """Columns written by one put share keys; each such set costs one storage round trip."""
+        by_keys: dict[tuple[int, ...], list[str]] = {}
+        for column, column_keys in keys.items():
+            by_keys.setdefault(tuple(column_keys), []).append(column)
+        out = {}
+        for column_keys, names in by_keys.items():
+            values = self._storage().get(list(column_keys), names)
+            for name in names:
+                out[name] = spec.column(name).pack(values[name])
+        return {c: out[c] for c in keys}
+
+    def ack(self, batch: Batch, row_ids: Sequence[int] | None = None) -> AckResult:
+        """Mark a batch's rows (or some of them, by id) done for its task. Idempotent."""
+        rows = list(batch.row_ids) if row_ids is None else list(row_ids)
+        if row_ids is not None:
+            check_row_ids(rows, "ack row_ids")
+        args = {"table": batch.table, "task": batch.task, "row_ids": rows, "consumer": self.consumer_id}
+        return AckResult(**self._call("ack", args))
+
+    def renew(self, batch: Batch, lease_s: float | None = None) -> list[int]:
+        """Extend a batch's lease; returns the rows still held (LeaseLostError if none are)."""
+        lease_s = self.config.lease_s if lease_s is None else lease_s
+        args = {"table": batch.table, "lease_id": batch.lease_id, "consumer": self.consumer_id, "lease_s": lease_s}
+        held = self._call("renew", args)
+        batch.deadline = time.monotonic() + lease_s
+        return held
+
+    def table_stats(self, table: str) -> dict:
+        return self._call("table_stats", {"table": table})
+
+    # ---- control streams ----------------------------------------------------------------------
+    def append(self, stream: str, payload: Any) -> int:
+        """Append one message (any msgpack-able value); returns its sequence number."""
+        try:
+            data = _payloads.encode(payload)
+        except TypeError as e:
+            raise SchemaError(f"stream '{stream}': payload is not msgpack-serialisable: {e}") from None
+        return self._call("append", {"stream": stream, "payload": data})
+
+    def reader(self, stream: str, name: str, start: int | str = START_LATEST) -> "StreamReader":
+        """A named reader. start: a sequence number to replay from, "latest" (the newest message
+        onward) or "resume" (where this reader name left off)."""
+        return StreamReader(self, stream, name, start)
+
+    def stream_stats(self, stream: str) -> dict:
+        return self._call("stream_stats", {"stream": stream})
+
+    def close(self) -> None:
+        """Give back unused storage keys and close every socket. Safe to call twice."""
+        if self._closed:
+            return
+        for table, keys in list(self._free_keys.items()):
+            if keys:
+                with contextlib.suppress(DataPlaneError):  # if the controller is gone, so are the keys
+                    self._call("release_keys", {"table": table, "keys": keys})
+        self._closed = True
+        with self._lock:
+            for channel in self._storage_channels:
+                channel.close()
+            for sock in self._sockets:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "DataPlaneClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class StreamReader:
+    """Reads one control stream in order, auditing sequence numbers: gaps (history reclaimed before it
+    was read), duplicates and reordering are recorded in `audit`; duplicates are not delivered twice."""
+
+    client: DataPlaneClient
+    stream: str
+    name: str
+    start: int | str
+    audit: SequenceAudit = field(default_factory=SequenceAudit)
+    _next: int | None = None
+
+    def read(self, max_n: int = 256, timeout: float = 0.0) -> list[StreamMessage]:
+        args = {
+            "stream": self.stream,
+            "reader": self.name,
+            "start": self.start if self._next is None else self._next,
+            "max_n": max_n,
+        }
+        result = self.client._wait_call("read", args, timeout, done=lambda r: bool(r["messages"]))
+        if self._next is None:
+            self.audit.next_expected = result["from"]
+            self._next = result["from"]
+        out = []
+        for seq, t, payload in result["messages"]:
+            if self.audit.observe(seq) != DUPLICATE:
+                out.append(StreamMessage(seq, t, _payload_decoder.decode(payload)))
+            self._next = max(self._next, seq + 1)
+        return out
+
+    def close(self) -> None:
+        """Stop pinning history: the controller forgets this reader's cursor."""
+        self.client._call("close_reader", {"stream": self.stream, "reader": self.name})

@@ -1,0 +1,54 @@
+"""The data plane's settings, validated when constructed."""
+
+import ipaddress
+from dataclasses import dataclass
+
+from meshy.dataplane.errors import SchemaError
+from meshy.dataplane.fields import check_fields
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    """How the data-plane servers run and how long clients wait for them.
+
+    host: address the servers bind and advertise. Loopback unless a multi-node recipe asks otherwise.
+    num_storage_units: TransferQueue storage-unit processes; rows are spread over them.
+    encrypt: CURVE-encrypt every connection. None means: only when host is not loopback.
+    rpc_timeout_s: longest wait for one server reply before the server is declared unavailable.
+    wait_slice_s: long waits (lease, stream read, token) are cut into slices of this length, so a dead
+        controller is noticed within wait_slice_s + rpc_timeout_s.
+    start_timeout_s: longest wait for the servers to come up.
+    lease_s: default lease length; rows not acked within it return to their task's pool.
+    stream_retain: most messages a control stream keeps; older ones are reclaimed even if unread.
+    alloc_block: storage keys a client reserves per controller round trip.
+    """
+
+    host: str = "127.0.0.1"
+    num_storage_units: int = 1
+    encrypt: bool | None = None
+    rpc_timeout_s: float = 5.0
+    wait_slice_s: float = 1.0
+    start_timeout_s: float = 180.0
+    lease_s: float = 60.0
+    stream_retain: int = 1024
+    alloc_block: int = 256
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            raise SchemaError(f"DataPlaneConfig.host: expected an IP address, got {self.host!r}") from None
+        for name in ("num_storage_units", "stream_retain", "alloc_block"):
+            if getattr(self, name) < 1:
+                raise SchemaError(f"DataPlaneConfig.{name}: expected an integer >= 1, got {getattr(self, name)}")
+        for name in ("rpc_timeout_s", "wait_slice_s", "start_timeout_s", "lease_s"):
+            if not getattr(self, name) > 0:
+                raise SchemaError(f"DataPlaneConfig.{name}: expected seconds > 0, got {getattr(self, name)}")
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether connections use CURVE (encrypted) rather than PLAIN (authenticated only)."""
+        if self.encrypt is not None:
+            return self.encrypt
+        return not ipaddress.ip_address(self.host).is_loopback

@@ -1,0 +1,449 @@
+"""The controller process: TransferQueue's controller, extended with Meshy's tables, leases, streams and rings.
+
+TransferQueue's own request thread is replaced by one loop that serves both protocols on the same
+socket: Meshy requests (magic first frame, msgpack) and TransferQueue requests (handed to the
+controller's own handlers), so raw TransferQueue clients keep working. One thread owns all state, so
+every operation is atomic. Waiting requests (lease, stream read, token) are parked and answered when
+their condition holds or their deadline passes; nothing in the loop blocks.
+"""
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from threading import Thread
+from typing import Any
+
+import msgspec
+import zmq
+from transfer_queue.controller import TransferQueueController
+from transfer_queue.sampler import SequentialSampler
+from transfer_queue.utils.perf_utils import IntervalPerfMonitor
+from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, format_zmq_address
+
+from meshy.dataplane.config import DataPlaneConfig
+from meshy.dataplane.errors import DataPlaneError, SchemaError
+from meshy.dataplane.rings import RingState, ledger_stream
+from meshy.dataplane.schema import TableSpec
+from meshy.dataplane.security import Credentials
+from meshy.dataplane.storage_io import STORAGE_IDENTITY_PREFIX
+from meshy.dataplane.streams import StreamState
+from meshy.dataplane.tables import TableState
+from meshy.dataplane.wire import MAGIC, decode_request, encode_error, encode_reply
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH_ROWS = 1 << 20
+_DEFERRED = object()
+_packer = msgspec.msgpack.Encoder()
+
+
+@dataclass(slots=True)
+class _Waiter:
+    identity: Any
+    request_id: int
+    key: tuple[str, str]
+    deadline: float
+    attempt: Callable[[], Any]  # returns the reply, or None while the condition does not hold
+    on_timeout: Callable[[], Any]
+
+
+class _StorageClearer:
+    """Frees storage keys of retired rows; a key returns to the allocator only after its unit confirms."""
+
+    def __init__(self, ctx: zmq.Context, units: list[dict], creds: Credentials):
+        self.sockets = []
+        self.pending: list[deque[tuple[str, list[int]]]] = []
+        for i, unit in enumerate(units):
+            sock = ctx.socket(zmq.DEALER)
+            sock.identity = f"{STORAGE_IDENTITY_PREFIX}controller_{i}".encode()
+            sock.sndhwm = 10_000
+            creds.secure_client(sock)
+            sock.connect(format_zmq_address(unit["ip"], unit["ports"]["put_get_socket"]))
+            self.sockets.append(sock)
+            self.pending.append(deque())
+        self.unit_ids = [u["id"] for u in units]
+
+    def clear(self, table: str, keys: list[int]) -> None:
+        n = len(self.sockets)
+        for u in range(n):
+            mine = [k for k in keys if k % n == u]
+            if not mine:
+                continue
+            msg = ZMQMessage.create(
+                request_type=ZMQRequestType.CLEAR_DATA,
+                sender_id="meshy_controller",
+                receiver_id=self.unit_ids[u],
+                body={"global_indexes": mine},
+            )
+            try:
+                self.sockets[u].send_multipart(msg.serialize(), zmq.NOBLOCK)
+            except zmq.Again:
+                log.error("storage unit %s is not accepting clears; %d keys leak", self.unit_ids[u], len(mine))
+                continue
+            self.pending[u].append((table, mine))
+
+    def drain(self, events: dict, release: Callable[[str, list[int]], None]) -> None:
+        for u, sock in enumerate(self.sockets):
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                table, keys = self.pending[u].popleft()
+                reply = ZMQMessage.deserialize(frames)
+                if reply.request_type == ZMQRequestType.CLEAR_DATA_RESPONSE:
+                    release(table, keys)
+                else:
+                    log.error("storage unit %s failed to clear %d keys: %s", self.unit_ids[u], len(keys), reply.body)
+
+
+class MeshyController(TransferQueueController.__ray_actor_class__):  # the class under Ray's decorator
+    def __init__(self, storage_units: list[dict], creds: Credentials, config: DataPlaneConfig):
+        # Set before the base class starts the request thread (it calls _start_process_request).
+        self._config = config
+        self._creds = creds
+        self._storage_units = storage_units
+        self._tables: dict[str, TableState] = {}
+        self._streams: dict[str, StreamState] = {}
+        self._rings: dict[str, RingState] = {}
+        self._waiters: list[_Waiter] = []
+        self._dirty: set[tuple[str, str]] = set()
+        self._lease_ids = itertools.count(1)
+        self._ops: dict[str, Callable[[dict, Any, int], Any]] = {
+            name.removeprefix("_op_"): getattr(self, name) for name in dir(self) if name.startswith("_op_")
+        }
+        super().__init__(sampler=SequentialSampler, polling_mode=True)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _start_process_request(self) -> None:
+        self.process_request_thread = Thread(target=self._serve, name="MeshyControllerLoop", daemon=True)
+        self.process_request_thread.start()
+
+    def _serve(self) -> None:
+        sock = self.request_handle_socket
+        self._clearer = _StorageClearer(self.zmq_context, self._storage_units, self._creds)
+        self._perf = IntervalPerfMonitor(caller_name=self.controller_id)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        for s in self._clearer.sockets:
+            poller.register(s, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(self._poll_timeout_ms()))
+            if sock in events:
+                for _ in range(256):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(sock, frames)
+            self._clearer.drain(events, self.index_manager.release_indexes)
+            self._tick(sock, time.monotonic())
+
+    def _poll_timeout_ms(self) -> int:
+        deadlines = [w.deadline for w in self._waiters]
+        deadlines += [d for t in self._tables.values() if (d := t.next_deadline()) is not None]
+        if not deadlines:
+            return 1000
+        return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+
+    def _tick(self, sock: zmq.Socket, now: float) -> None:
+        for name, table in self._tables.items():
+            if table.expire(now):
+                self._dirty.add(("table", name))
+        if not self._waiters:
+            self._dirty.clear()
+            return
+        # Answering one waiter can change state another waits on (a ring grant appends to a ledger).
+        while True:
+            dirty, self._dirty = self._dirty, set()
+            remaining = []
+            for w in self._waiters:
+                result = None
+                try:
+                    if w.key in dirty:
+                        result = w.attempt()
+                    if result is None and now >= w.deadline:
+                        result = w.on_timeout()
+                except DataPlaneError as e:
+                    sock.send_multipart([w.identity, encode_error(w.request_id, type(e).__name__, str(e))])
+                    continue
+                if result is None:
+                    remaining.append(w)
+                else:
+                    sock.send_multipart([w.identity, encode_reply(w.request_id, result)])
+            self._waiters = remaining
+            if not self._dirty:
+                return
+
+    def _dispatch(self, sock: zmq.Socket, frames: list) -> None:
+        identity = frames[0]
+        if len(frames) == 3 and frames[1].bytes == MAGIC:
+            self._handle_meshy(sock, identity, frames[2])
+        else:
+            self._handle_transfer_queue(sock, identity, frames[1:])
+
+    def _handle_meshy(self, sock: zmq.Socket, identity: Any, frame: Any) -> None:
+        try:
+            op, request_id, args = decode_request(frame.buffer)
+        except Exception as e:
+            sock.send_multipart([identity, encode_error(-1, "DataPlaneError", f"undecodable request: {e}")])
+            return
+        handler = self._ops.get(op)
+        try:
+            if handler is None:
+                raise DataPlaneError(f"unknown operation {op!r}")
+            result = handler(args, identity, request_id)
+        except DataPlaneError as e:
+            sock.send_multipart([identity, encode_error(request_id, type(e).__name__, str(e))])
+        except Exception as e:
+            log.exception("operation %s failed", op)
+            sock.send_multipart(
+                [identity, encode_error(request_id, "DataPlaneError", f"{op}: {type(e).__name__}: {e}")]
+            )
+        else:
+            if result is not _DEFERRED:
+                sock.send_multipart([identity, encode_reply(request_id, result)])
+
+    def _handle_transfer_queue(self, sock: zmq.Socket, identity: Any, frames: list) -> None:
+        try:
+            request = ZMQMessage.deserialize(frames)
+        except Exception as e:
+            reply = self._make_error_response(None, f"undecodable request: {type(e).__name__}: {e}")
+        else:
+            try:
+                reply = self._handle_request(request, self._perf) or self._make_error_response(
+                    request.sender_id, f"no handler for request_type {request.request_type}"
+                )
+            except Exception as e:
+                reply = self._make_error_response(
+                    request.sender_id, f"{request.request_type} failed: {type(e).__name__}: {e}"
+                )
+        sock.send_multipart([identity, *reply.serialize()])
+
+    def _wait(
+        self,
+        identity: Any,
+        request_id: int,
+        key: tuple[str, str],
+        wait_s: float,
+        attempt: Callable[[], Any],
+        on_timeout: Callable[[], Any],
+    ) -> Any:
+        """Answer now if the condition holds or the caller won't wait; otherwise park the request."""
+        result = attempt()
+        if result is not None:
+            return result
+        if wait_s <= 0:
+            return on_timeout()
+        self._waiters.append(_Waiter(identity, request_id, key, time.monotonic() + wait_s, attempt, on_timeout))
+        return _DEFERRED
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _table(self, name: Any) -> TableState:
+        table = self._tables.get(name)
+        if table is None:
+            raise SchemaError(f"no table {name!r}; tables: {sorted(self._tables)}")
+        return table
+
+    def _stream(self, name: Any) -> StreamState:
+        if not isinstance(name, str) or not name:
+            raise SchemaError(f"stream name: expected a non-empty string, got {name!r}")
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = StreamState(name, self._config.stream_retain)
+        return stream
+
+    def _ring(self, name: Any) -> RingState:
+        ring = self._rings.get(name)
+        if ring is None:
+            raise SchemaError(f"no ring {name!r}; rings: {sorted(self._rings)}")
+        return ring
+
+    def _free(self, table: str, keys: list[int]) -> None:
+        if keys:
+            self._clearer.clear(table, keys)
+
+    def _check_keys(self, table: str, keys: list[int]) -> None:
+        owned = self.index_manager.partition_to_indexes.get(table, set())
+        if not all(k in owned for k in keys):
+            raise SchemaError(f"table '{table}': storage keys were not allocated for this table")
+
+    def _record_grant(self, ring: RingState, grant: Any) -> None:
+        if grant is not None:
+            stream = ledger_stream(ring.name)
+            self._stream(stream).append(_packer.encode(grant.to_wire()))
+            self._dirty.add(("stream", stream))
+        self._dirty.add(("ring", ring.name))
+
+    # ---- operations: liveness and tables ------------------------------------------------------
+    def _op_ping(self, args: dict, identity: Any, request_id: int) -> dict:
+        return {"controller_id": self.controller_id}
+
+    def _op_create_table(self, args: dict, identity: Any, request_id: int) -> dict:
+        spec = TableSpec.from_wire(args["spec"])
+        existing = self._tables.get(spec.name)
+        if existing is not None:
+            if existing.spec != spec:
+                raise SchemaError(
+                    f"table '{spec.name}' already exists with a different schema: {existing.spec} vs {spec}"
+                )
+        else:
+            self._tables[spec.name] = TableState(spec)
+            self.create_partition(spec.name)
+        return spec.to_wire()
+
+    def _op_get_table(self, args: dict, identity: Any, request_id: int) -> dict:
+        return self._table(args["table"]).spec.to_wire()
+
+    def _op_alloc(self, args: dict, identity: Any, request_id: int) -> list[int]:
+        self._table(args["table"])
+        n = args["n"]
+        if not isinstance(n, int) or not 1 <= n <= MAX_BATCH_ROWS:
+            raise SchemaError(f"alloc: n must be an int in [1, {MAX_BATCH_ROWS}], got {n!r}")
+        return self.index_manager.allocate_indexes(args["table"], n)
+
+    def _op_release_keys(self, args: dict, identity: Any, request_id: int) -> None:
+        self._check_keys(args["table"], args["keys"])
+        self.index_manager.release_indexes(args["table"], args["keys"])
+
+    def _op_commit(self, args: dict, identity: Any, request_id: int) -> dict:
+        name = args["table"]
+        table = self._table(name)
+        row_ids, keys, ack = args["row_ids"], args["keys"], args.get("ack")
+        if len(keys) != len(row_ids):
+            raise SchemaError(f"table '{name}': {len(keys)} storage keys for {len(row_ids)} rows")
+        self._check_keys(name, keys)
+        table.check_commit(args["new"], row_ids, args.get("group_ids"), args["columns"])
+        if ack is not None:
+            table.check_ack(ack["task"], ack["row_ids"])
+        table.commit(args["new"], row_ids, args.get("group_ids"), args["columns"], keys)
+        self._dirty.add(("table", name))
+        if ack is None:
+            return {}
+        result, freed = table.ack(ack["task"], ack["row_ids"], args["consumer"])
+        self._free(name, freed)
+        return {"ack": asdict(result)}
+
+    def _op_lease(self, args: dict, identity: Any, request_id: int) -> Any:
+        name, task = args["table"], args["task"]
+        table = self._table(name)
+        count, min_count = args["count"], args["min_count"]
+        if not isinstance(count, int) or not 1 <= count <= MAX_BATCH_ROWS:
+            raise SchemaError(f"lease: count must be an int in [1, {MAX_BATCH_ROWS}], got {count!r}")
+        if not isinstance(min_count, int) or not 1 <= min_count <= count:
+            raise SchemaError(f"lease: min_count must be an int in [1, count={count}], got {min_count!r}")
+        if not isinstance(task, str) or not task:
+            raise SchemaError(f"lease: task must be a non-empty string, got {task!r}")
+        table.declare_task(task, args["columns"], args["whole_groups"])
+
+        def attempt() -> dict | None:
+            now = time.monotonic()
+            leased = table.lease(task, args["consumer"], count, min_count, args["lease_s"], now, next(self._lease_ids))
+            if leased is None:
+                return None
+            reply = asdict(leased)
+            reply["deadline"] = leased.deadline - now  # relative: clocks differ between hosts
+            return reply
+
+        return self._wait(identity, request_id, ("table", name), args["wait_s"], attempt, lambda: {})
+
+    def _op_ack(self, args: dict, identity: Any, request_id: int) -> dict:
+        name = args["table"]
+        table = self._table(name)
+        table.check_ack(args["task"], args["row_ids"])
+        result, freed = table.ack(args["task"], args["row_ids"], args["consumer"])
+        self._free(name, freed)
+        self._dirty.add(("table", name))
+        return asdict(result)
+
+    def _op_renew(self, args: dict, identity: Any, request_id: int) -> list[int]:
+        return self._table(args["table"]).renew(args["lease_id"], args["consumer"], args["lease_s"], time.monotonic())
+
+    def _op_table_stats(self, args: dict, identity: Any, request_id: int) -> dict:
+        return self._table(args["table"]).stats()
+
+    # ---- operations: control streams ----------------------------------------------------------
+    def _op_append(self, args: dict, identity: Any, request_id: int) -> int:
+        stream = self._stream(args["stream"])
+        self._dirty.add(("stream", stream.name))
+        return stream.append(args["payload"])
+
+    def _op_read(self, args: dict, identity: Any, request_id: int) -> Any:
+        stream = self._stream(args["stream"])
+        reader = args["reader"]
+        if not isinstance(reader, str) or not reader:
+            raise SchemaError(f"stream '{stream.name}': reader must be a non-empty string, got {reader!r}")
+        from_seq = stream.resolve_start(reader, args["start"])
+
+        def attempt() -> dict | None:
+            messages = stream.read(reader, from_seq, args["max_n"])
+            return {"from": from_seq, "messages": messages} if messages else None
+
+        return self._wait(
+            identity,
+            request_id,
+            ("stream", stream.name),
+            args["wait_s"],
+            attempt,
+            lambda: {"from": from_seq, "messages": []},
+        )
+
+    def _op_close_reader(self, args: dict, identity: Any, request_id: int) -> None:
+        self._stream(args["stream"]).close_reader(args["reader"])
+
+    def _op_stream_stats(self, args: dict, identity: Any, request_id: int) -> dict:
+        return self._stream(args["stream"]).stats()
+
+    # ---- operations: GPU token rings ----------------------------------------------------------
+    def _op_ring_declare(self, args: dict, identity: Any, request_id: int) -> dict:
+        name = args["ring"]
+        members = [(m, mode) for m, mode in args["members"]]
+        ring = self._rings.get(name)
+        if ring is None:
+            ring = RingState(name, members)
+            self._rings[name] = ring
+            self._record_grant(ring, ring.start())
+        elif ring.members != members:
+            raise SchemaError(f"ring '{name}' already exists with members {ring.members}, not {members}")
+        return ring.status()
+
+    def _op_ring_request(self, args: dict, identity: Any, request_id: int) -> Any:
+        ring = self._ring(args["ring"])
+        member = args["member"]
+        ring.check_member(member)
+
+        def attempt() -> dict | None:
+            grant, new = ring.request(member)
+            self._record_grant(ring, new)
+            return grant.to_wire() if grant is not None else None
+
+        return self._wait(identity, request_id, ("ring", ring.name), args["wait_s"], attempt, lambda: {})
+
+    def _op_ring_cancel(self, args: dict, identity: Any, request_id: int) -> None:
+        ring = self._ring(args["ring"])
+        ring.check_member(args["member"])
+        if args["member"] in ring.pending:
+            ring.pending.remove(args["member"])
+
+    def _op_ring_release(self, args: dict, identity: Any, request_id: int) -> dict | None:
+        ring = self._ring(args["ring"])
+        grant = ring.release(args["member"], args["payload"])
+        self._record_grant(ring, grant)
+        return grant.to_wire() if grant is not None else None
+
+    def _op_ring_status(self, args: dict, identity: Any, request_id: int) -> Any:
+        ring = self._ring(args["ring"])
+        member, known_seq = args["member"], args["known_seq"]
+        ring.check_member(member)
+
+        def attempt() -> dict | None:
+            if ring.seq != known_seq or (ring.holder == member and ring.pending):
+                return ring.status()
+            return None
+
+        return self._wait(identity, request_id, ("ring", ring.name), args["wait_s"], attempt, ring.status)

@@ -1,0 +1,42 @@
+"""Where the data-plane servers listen, and how every participant learns it."""
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from meshy.dataplane.errors import ServerUnavailable
+
+STORE_KEY = "meshy/dataplane/endpoints"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The controller and the storage units, as TransferQueue describes servers (id, ip, ports).
+
+    The storage list's order is part of the contract: rows are routed by position in it.
+    """
+
+    controller: dict[str, Any]
+    storage: tuple[dict[str, Any], ...]
+    encrypted: bool
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Endpoints":
+        data = json.loads(text)
+        return cls(controller=data["controller"], storage=tuple(data["storage"]), encrypted=data["encrypted"])
+
+    def publish(self, store: Any, key: str = STORE_KEY) -> None:
+        """Write into a torch.distributed Store (e.g. torchrun's TCPStore) for every rank to read."""
+        store.set(key, self.to_json())
+
+    @classmethod
+    def from_store(cls, store: Any, key: str = STORE_KEY, timeout_s: float = 300.0) -> "Endpoints":
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise ServerUnavailable(f"no data-plane endpoints under '{key}' after {timeout_s}s: {e}") from e
+        return cls.from_json(store.get(key).decode())

@@ -1,0 +1,149 @@
+"""The data-plane server processes: `python -m meshy.dataplane.launcher CONFIG_JSON` (secret in the env).
+
+Importing TransferQueue costs seconds (torch, tensordict), so this process imports it once and forks
+the storage units and the controller from that state. It prints one JSON line (endpoints and pids),
+then supervises: when its parent goes away (stdin closes) or it gets SIGTERM, it stops its children.
+Each child also asks the kernel to kill it should the launcher die (PR_SET_PDEATHSIG), so a SIGKILL
+anywhere up the chain leaves no orphan servers.
+"""
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+from meshy.dataplane.config import DataPlaneConfig
+from meshy.dataplane.security import SECRET_ENV, Credentials
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)  # the parent died before the request took effect
+
+
+def _server_info(info: object) -> dict:
+    return {"role": str(info.role.value), "id": info.id, "ip": info.ip, "ports": dict(info.ports)}
+
+
+def _fork_server(make: Callable[[], object], timeout_s: float) -> tuple[int, dict]:
+    """Fork a child that builds one server, reports its endpoint through a pipe, then serves forever."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            _die_with_parent()
+            server = make()
+            os.write(write_end, (json.dumps({"info": _server_info(server.get_zmq_server_info())}) + "\n").encode())
+        except BaseException:
+            os.write(write_end, (json.dumps({"error": traceback.format_exc()}) + "\n").encode())
+            os._exit(1)
+        os.close(write_end)
+        while True:
+            signal.pause()
+    os.close(write_end)
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    with os.fdopen(read_end, "rb") as pipe:
+        while not data.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([pipe], [], [], remaining)[0]:
+                raise RuntimeError(f"server process {pid} did not report its endpoint within {timeout_s}s")
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                raise RuntimeError(f"server process {pid} exited before reporting its endpoint")
+            data += chunk
+    report = json.loads(data)
+    if "error" in report:
+        raise RuntimeError(f"server process {pid} failed to start:\n{report['error']}")
+    return pid, report["info"]
+
+
+def _stop(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 3.0
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        for pid in list(alive):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    alive.discard(pid)
+            except ChildProcessError:
+                alive.discard(pid)
+        time.sleep(0.02)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def main() -> None:
+    config = DataPlaneConfig(**json.loads(sys.argv[1]))
+    secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
+    _die_with_parent()
+    logging.getLogger("transfer_queue").setLevel(logging.WARNING)
+    # Storage units only copy bytes; TransferQueue's default of 8 torch threads warns on small hosts.
+    os.environ.setdefault("TQ_NUM_THREADS", "1")
+    creds = Credentials.from_secret(secret, config.encrypted)
+
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    from meshy.dataplane.controller import MeshyController
+    from meshy.dataplane.security import secure_transfer_queue_servers
+
+    secure_transfer_queue_servers(config.host, creds)
+    pids: list[int] = []
+    try:
+        storage = []
+        for _ in range(config.num_storage_units):
+            pid, info = _fork_server(lambda: SimpleStorageUnit.__ray_actor_class__({}), config.start_timeout_s)
+            pids.append(pid)
+            storage.append(info)
+        controller_pid, controller = _fork_server(
+            lambda: MeshyController(storage, creds, config), config.start_timeout_s
+        )
+        pids.append(controller_pid)
+    except BaseException as e:
+        _stop(pids)
+        print(json.dumps({"error": str(e)}), flush=True)
+        sys.exit(1)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    report = {
+        "endpoints": {"controller": controller, "storage": storage, "encrypted": config.encrypted},
+        "pids": {"launcher": os.getpid(), "controller": controller_pid, "storage": pids[:-1]},
+    }
+    print(json.dumps(report), flush=True)
+    try:
+        while True:
+            readable = select.select([sys.stdin], [], [], 1.0)[0]
+            if readable and not os.read(sys.stdin.fileno(), 4096):
+                return  # the host process is gone or asked us to stop
+            for pid in pids:
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        print(f"meshy data plane: server process {pid} exited", file=sys.stderr, flush=True)
+                except ChildProcessError:
+                    pass
+    finally:
+        _stop(pids)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Starting and stopping the data-plane servers from the process that hosts them."""
+
+import json
+import os
+import secrets
+import select
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from typing import IO, Any
+
+from meshy.dataplane.config import DataPlaneConfig
+from meshy.dataplane.endpoints import STORE_KEY, Endpoints
+from meshy.dataplane.errors import SchemaError, ServerUnavailable
+from meshy.dataplane.security import MIN_SECRET_BYTES, SECRET_ENV
+
+
+def new_secret() -> bytes:
+    """A fresh per-run secret."""
+    return secrets.token_bytes(32)
+
+
+def secret_from_env() -> bytes:
+    """The run secret from MESHY_DATAPLANE_SECRET (hex), as `meshy run` sets it for every rank."""
+    value = os.environ.get(SECRET_ENV)
+    if not value:
+        raise SchemaError(f"{SECRET_ENV} is not set; every process of a run needs the run's secret")
+    try:
+        secret = bytes.fromhex(value)
+    except ValueError:
+        raise SchemaError(f"{SECRET_ENV}: expected hex, got {len(value)} characters that are not") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise SchemaError(f"{SECRET_ENV}: expected at least {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
+class DataPlaneServer:
+    """The controller and storage-unit processes of one run, hosted by the calling process.
+
+    They stop when `shutdown` is called, when this object's process exits, or when it is killed.
+    """
+
+    def __init__(self, process: subprocess.Popen, endpoints: Endpoints, pids: dict[str, Any]):
+        self._process = process
+        self.endpoints = endpoints
+        self.pids = pids
+
+    @classmethod
+    def start(cls, secret: bytes, config: DataPlaneConfig | None = None, log: IO | None = None) -> "DataPlaneServer":
+        config = config or DataPlaneConfig()
+        if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+            raise SchemaError(f"DataPlaneServer.start: secret must be at least {MIN_SECRET_BYTES} bytes")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "meshy.dataplane.launcher", json.dumps(asdict(config))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env={**os.environ, SECRET_ENV: secret.hex()},
+        )
+        line = _read_line(process.stdout, config.start_timeout_s)
+        report = json.loads(line) if line else {}
+        if "endpoints" not in report:
+            code = process.poll()
+            process.kill()
+            process.wait()
+            why = report.get("error") or (
+                f"the launcher exited with code {code} (its stderr says why)"
+                if code is not None
+                else f"no report within start_timeout_s={config.start_timeout_s}"
+            )
+            raise ServerUnavailable(f"the data-plane servers did not start: {why}")
+        endpoints = report["endpoints"]
+        return cls(
+            process,
+            Endpoints(endpoints["controller"], tuple(endpoints["storage"]), endpoints["encrypted"]),
+            report["pids"],
+        )
+
+    def publish(self, store: Any, key: str = STORE_KEY) -> None:
+        self.endpoints.publish(store, key)
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process.stdout.close()
+
+    def __enter__(self) -> "DataPlaneServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _read_line(stream: IO[bytes], timeout_s: float) -> bytes:
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    fd = stream.fileno()
+    while not data.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            break
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    return data

@@ -1,0 +1,314 @@
+"""Controller-side state of one table: rows, column readiness per task, leases and acks.
+
+Runs only inside the controller's single request thread, so it needs no locks. Every mutating method
+validates its whole input before changing anything, so a rejected call leaves no trace.
+
+A row's columns live in TransferQueue storage under storage keys (global indexes). Each write uses
+fresh keys, so a late or duplicate writer can never overwrite committed data: the controller records
+which key holds each committed column.
+"""
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshy.dataplane.errors import LeaseLostError, RowConflictError, SchemaError
+from meshy.dataplane.schema import TableSpec
+
+
+@dataclass(slots=True)
+class _Row:
+    group: int
+    keys: dict[str, int] = field(default_factory=dict)  # column -> storage key
+    done: set[str] = field(default_factory=set)  # tasks that acked this row
+
+
+@dataclass(slots=True)
+class _Task:
+    columns: tuple[str, ...]
+    whole_groups: bool
+    ready: dict[int, None] = field(default_factory=dict)  # units (row or group ids) ready to lease, FIFO
+    leased: dict[int, int] = field(default_factory=dict)  # unit -> lease id
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    task: str
+    consumer: str
+    units: set[int]
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Leased:
+    """What a lease hands out: rows in order, their groups, and where each needed column is stored."""
+
+    lease_id: int
+    deadline: float
+    row_ids: list[int]
+    group_ids: list[int]
+    keys: dict[str, list[int]]
+
+
+@dataclass
+class AckResult:
+    """acked: newly done. already: done before (acks are idempotent). stale: done, but the row was
+    leased to another consumer at the time (its lease had expired). unknown: no such row (retired)."""
+
+    acked: list[int] = field(default_factory=list)
+    already: list[int] = field(default_factory=list)
+    stale: list[int] = field(default_factory=list)
+    unknown: list[int] = field(default_factory=list)
+
+
+class TableState:
+    def __init__(self, spec: TableSpec):
+        self.spec = spec
+        self.rows: dict[int, _Row] = {}
+        self.groups: dict[int, list[int]] = {}
+        self.tasks: dict[str, _Task] = {}
+        self.leases: dict[int, Lease] = {}
+        self._expiry: list[tuple[float, int]] = []
+        self._retire_after = set(spec.retire_after)
+        self.retired = 0
+
+    # ---- writes -------------------------------------------------------------------------------
+    def check_commit(
+        self, new: bool, row_ids: Sequence[int], group_ids: Sequence[int] | None, columns: Sequence[str]
+    ) -> None:
+        name = self.spec.name
+        for c in columns:
+            self.spec.column(c)
+        if new:
+            for r in row_ids:
+                if r in self.rows:
+                    raise RowConflictError(f"table '{name}': duplicate row id {r} (the row already exists)")
+            if self.spec.group_size > 1:
+                if group_ids is None or len(group_ids) != len(row_ids):
+                    raise SchemaError(
+                        f"table '{name}': group_ids: expected one group id per row "
+                        f"(group_size is {self.spec.group_size})"
+                    )
+                added: dict[int, int] = {}
+                for g in group_ids:
+                    added[g] = added.get(g, 0) + 1
+                for g, n in added.items():
+                    have = len(self.groups.get(g, ()))
+                    if have + n > self.spec.group_size:
+                        raise RowConflictError(
+                            f"table '{name}': group {g} would have {have + n} rows, "
+                            f"over group_size {self.spec.group_size}"
+                        )
+            elif group_ids is not None:
+                raise SchemaError(f"table '{name}': group_ids given, but group_size is 1")
+        else:
+            if group_ids is not None:
+                raise SchemaError(f"table '{name}': group_ids are set when rows are put, not when columns are added")
+            for r in row_ids:
+                row = self.rows.get(r)
+                if row is None:
+                    raise RowConflictError(f"table '{name}': no row {r} to add columns to")
+                for c in columns:
+                    if c in row.keys:
+                        raise RowConflictError(f"table '{name}': row {r} already has column '{c}'")
+
+    def commit(
+        self,
+        new: bool,
+        row_ids: Sequence[int],
+        group_ids: Sequence[int] | None,
+        columns: Sequence[str],
+        keys: Sequence[int],
+    ) -> None:
+        """Make columns visible; call check_commit first."""
+        touched_groups = set()
+        for i, r in enumerate(row_ids):
+            if new:
+                g = group_ids[i] if group_ids is not None else r
+                row = self.rows[r] = _Row(group=g)
+                self.groups.setdefault(g, []).append(r)
+            else:
+                row = self.rows[r]
+            for c in columns:
+                row.keys[c] = keys[i]
+            touched_groups.add(row.group)
+        for task_name, task in self.tasks.items():
+            if task.whole_groups:
+                for g in touched_groups:
+                    self._offer_group(task_name, task, g)
+            else:
+                for r in row_ids:
+                    self._offer_row(task_name, task, r)
+
+    def _row_ready(self, task_name: str, task: _Task, row: _Row) -> bool:
+        return task_name not in row.done and all(c in row.keys for c in task.columns)
+
+    def _offer_row(self, task_name: str, task: _Task, r: int) -> None:
+        if r not in task.leased and r not in task.ready and self._row_ready(task_name, task, self.rows[r]):
+            task.ready[r] = None
+
+    def _offer_group(self, task_name: str, task: _Task, g: int) -> None:
+        members = self.groups.get(g, ())
+        if (
+            len(members) == self.spec.group_size
+            and g not in task.leased
+            and g not in task.ready
+            and all(self._row_ready(task_name, task, self.rows[r]) for r in members)
+        ):
+            task.ready[g] = None
+
+    # ---- consumers ----------------------------------------------------------------------------
+    def declare_task(self, task_name: str, columns: Sequence[str], whole_groups: bool) -> _Task:
+        for c in columns:
+            self.spec.column(c)
+        task = self.tasks.get(task_name)
+        if task is not None:
+            if task.columns != tuple(columns) or task.whole_groups != whole_groups:
+                raise SchemaError(
+                    f"table '{self.spec.name}': task '{task_name}' was declared with columns "
+                    f"{list(task.columns)} and whole_groups={task.whole_groups}, "
+                    f"now asked with {list(columns)} and whole_groups={whole_groups}"
+                )
+            return task
+        task = self.tasks[task_name] = _Task(columns=tuple(columns), whole_groups=whole_groups)
+        if whole_groups:
+            for g in self.groups:
+                self._offer_group(task_name, task, g)
+        else:
+            for r in self.rows:
+                self._offer_row(task_name, task, r)
+        return task
+
+    def lease(
+        self, task_name: str, consumer: str, count: int, min_count: int, lease_s: float, now: float, lease_id: int
+    ) -> Leased | None:
+        """Lease up to `count` units (rows, or whole groups), or None while fewer than min_count are ready."""
+        task = self.tasks[task_name]
+        if len(task.ready) < min_count:
+            return None
+        units = []
+        for unit in task.ready:
+            units.append(unit)
+            if len(units) == count:
+                break
+        for unit in units:
+            del task.ready[unit]
+            task.leased[unit] = lease_id
+        deadline = now + lease_s
+        self.leases[lease_id] = Lease(lease_id, task_name, consumer, set(units), deadline)
+        heapq.heappush(self._expiry, (deadline, lease_id))
+        row_ids = [r for g in units for r in self.groups[g]] if task.whole_groups else units
+        rows = [self.rows[r] for r in row_ids]
+        return Leased(
+            lease_id=lease_id,
+            deadline=deadline,
+            row_ids=row_ids,
+            group_ids=[row.group for row in rows],
+            keys={c: [row.keys[c] for row in rows] for c in task.columns},
+        )
+
+    def check_ack(self, task_name: str, row_ids: Sequence[int]) -> None:
+        task = self.tasks.get(task_name)
+        if task is None:
+            raise SchemaError(f"table '{self.spec.name}': task '{task_name}' has never leased from this table")
+        if task.whole_groups:
+            acked = set(row_ids)
+            for r in row_ids:
+                row = self.rows.get(r)
+                if row is None:
+                    continue
+                missing = [m for m in self.groups[row.group] if m not in acked and task_name not in self.rows[m].done]
+                if missing:
+                    raise SchemaError(
+                        f"table '{self.spec.name}': task '{task_name}' consumes whole groups; ack all rows of "
+                        f"group {row.group} together (missing {missing})"
+                    )
+
+    def ack(self, task_name: str, row_ids: Sequence[int], consumer: str) -> tuple[AckResult, list[int]]:
+        """Mark rows done for a task; call check_ack first. Returns the result and storage keys to free."""
+        task = self.tasks[task_name]
+        result = AckResult()
+        freed: list[int] = []
+        for r in row_ids:
+            row = self.rows.get(r)
+            if row is None:
+                result.unknown.append(r)
+                continue
+            if task_name in row.done:
+                result.already.append(r)
+                continue
+            row.done.add(task_name)
+            unit = row.group if task.whole_groups else r
+            lease_id = task.leased.get(unit)
+            if lease_id is not None:
+                lease = self.leases[lease_id]
+                (result.acked if lease.consumer == consumer else result.stale).append(r)
+                if not task.whole_groups or all(task_name in self.rows[m].done for m in self.groups[unit]):
+                    del task.leased[unit]
+                    lease.units.discard(unit)
+                    if not lease.units:
+                        del self.leases[lease_id]
+            else:
+                result.acked.append(r)
+                task.ready.pop(unit, None)
+            if self._retire_after and self._retire_after <= row.done:
+                freed.extend(self._retire(r))
+        return result, freed
+
+    def _retire(self, r: int) -> list[int]:
+        row = self.rows.pop(r)
+        members = self.groups[row.group]
+        members.remove(r)
+        if not members:
+            del self.groups[row.group]
+        for task in self.tasks.values():
+            task.ready.pop(row.group if task.whole_groups else r, None)
+        self.retired += 1
+        return sorted(set(row.keys.values()))
+
+    def renew(self, lease_id: int, consumer: str, lease_s: float, now: float) -> list[int]:
+        """Extend a lease; returns the rows still held. Raises LeaseLostError if nothing is held any more."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.consumer != consumer:
+            raise LeaseLostError(f"table '{self.spec.name}': lease {lease_id} expired or was fully acked")
+        lease.deadline = now + lease_s
+        heapq.heappush(self._expiry, (lease.deadline, lease_id))
+        task = self.tasks[lease.task]
+        return [r for u in lease.units for r in (self.groups[u] if task.whole_groups else [u])]
+
+    def expire(self, now: float) -> bool:
+        """Return expired leases' unacked units to the front of their task's pool. True if any did."""
+        changed = False
+        while self._expiry and self._expiry[0][0] <= now:
+            deadline, lease_id = heapq.heappop(self._expiry)
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.deadline != deadline:
+                continue  # acked, or renewed (a newer heap entry exists)
+            del self.leases[lease_id]
+            task = self.tasks[lease.task]
+            back = [u for u in lease.units if task.leased.get(u) == lease_id]
+            for u in back:
+                del task.leased[u]
+            task.ready = dict.fromkeys([*back, *task.ready])
+            changed = True
+        return changed
+
+    def next_deadline(self) -> float | None:
+        return self._expiry[0][0] if self._expiry else None
+
+    def stats(self) -> dict:
+        return {
+            "rows": len(self.rows),
+            "groups": len(self.groups),
+            "retired": self.retired,
+            "leases": len(self.leases),
+            "tasks": {
+                name: {
+                    "ready": len(t.ready),
+                    "leased": len(t.leased),
+                    "done": sum(1 for row in self.rows.values() if name in row.done),
+                }
+                for name, t in self.tasks.items()
+            },
+        }
