@@ -36,6 +36,9 @@ from meshy.dataplane.wire import MAGIC, decode_request, encode_error, encode_rep
 log = logging.getLogger(__name__)
 
 MAX_BATCH_ROWS = 1 << 20
+# Retired rows' storage is freed in batches, so clears do not queue in front of every put and get.
+CLEAR_BATCH_KEYS = 1024
+CLEAR_DELAY_S = 0.05
 _DEFERRED = object()
 _packer = msgspec.msgpack.Encoder()
 
@@ -51,7 +54,8 @@ class _Waiter:
 
 
 class _StorageClearer:
-    """Frees storage keys of retired rows; a key returns to the allocator only after its unit confirms."""
+    """Frees storage keys of retired rows, in batches; a key returns to the allocator only after its
+    unit confirms, so a late clear can never hit data written under a reused key."""
 
     def __init__(self, ctx: zmq.Context, units: list[dict], creds: Credentials):
         self.sockets = []
@@ -65,8 +69,24 @@ class _StorageClearer:
             self.sockets.append(sock)
             self.pending.append(deque())
         self.unit_ids = [u["id"] for u in units]
+        self._queued: dict[str, list[int]] = {}
+        self._queued_count = 0
+        self.due: float | None = None  # when the oldest queued key must be sent
 
-    def clear(self, table: str, keys: list[int]) -> None:
+    def queue(self, table: str, keys: list[int], now: float) -> None:
+        self._queued.setdefault(table, []).extend(keys)
+        self._queued_count += len(keys)
+        if self.due is None:
+            self.due = now + CLEAR_DELAY_S
+
+    def flush(self, now: float) -> None:
+        if self.due is None or (now < self.due and self._queued_count < CLEAR_BATCH_KEYS):
+            return
+        for table, keys in self._queued.items():
+            self._send(table, keys)
+        self._queued, self._queued_count, self.due = {}, 0, None
+
+    def _send(self, table: str, keys: list[int]) -> None:
         n = len(self.sockets)
         for u in range(n):
             mine = [k for k in keys if k % n == u]
@@ -147,11 +167,14 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
     def _poll_timeout_ms(self) -> int:
         deadlines = [w.deadline for w in self._waiters]
         deadlines += [d for t in self._tables.values() if (d := t.next_deadline()) is not None]
+        if self._clearer.due is not None:
+            deadlines.append(self._clearer.due)
         if not deadlines:
             return 1000
         return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
 
     def _tick(self, sock: zmq.Socket, now: float) -> None:
+        self._clearer.flush(now)
         for name, table in self._tables.items():
             if table.expire(now):
                 self._dirty.add(("table", name))
@@ -266,7 +289,7 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
 
     def _free(self, table: str, keys: list[int]) -> None:
         if keys:
-            self._clearer.clear(table, keys)
+            self._clearer.queue(table, keys, time.monotonic())
 
     def _check_keys(self, table: str, keys: list[int]) -> None:
         owned = self.index_manager.partition_to_indexes.get(table, set())

@@ -98,21 +98,26 @@ def main() -> None:
     secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
     _die_with_parent()
     logging.getLogger("transfer_queue").setLevel(logging.WARNING)
-    # Storage units only copy bytes; TransferQueue's default of 8 torch threads warns on small hosts.
-    os.environ.setdefault("TQ_NUM_THREADS", "1")
     creds = Credentials.from_secret(secret, config.encrypted)
 
-    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+    import torch
+    import transfer_queue.storage.simple_storage as tq_storage
 
     from meshy.dataplane.controller import MeshyController
     from meshy.dataplane.security import secure_transfer_queue_servers
 
     secure_transfer_queue_servers(config.host, creds)
+    # Storage units only move bytes. TransferQueue re-tunes torch's thread pool around every request
+    # (reading the CPU topology each time, ~0.5 ms, and warning on small hosts); pin it once instead.
+    torch.set_num_threads(1)
+    tq_storage.limit_pytorch_auto_parallel_threads = lambda **_: contextlib.nullcontext()
     pids: list[int] = []
     try:
         storage = []
         for _ in range(config.num_storage_units):
-            pid, info = _fork_server(lambda: SimpleStorageUnit.__ray_actor_class__({}), config.start_timeout_s)
+            pid, info = _fork_server(
+                lambda: tq_storage.SimpleStorageUnit.__ray_actor_class__({}), config.start_timeout_s
+            )
             pids.append(pid)
             storage.append(info)
         controller_pid, controller = _fork_server(
