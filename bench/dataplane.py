@@ -142,9 +142,8 @@ def main() -> None:
         results[cls.name] = json.loads(out.stdout.strip().splitlines()[-1])
 
     mib = nbytes(make_rows(ROWS)) / 2**20
-    print(
-        f"\nput + get of {ROWS} rows ({mib:.0f} MiB) and of 1 row; medians over {args.reps} / {args.latency_reps} reps\n"
-    )
+    reps = f"medians over {args.reps} / {args.latency_reps} reps"
+    print(f"\nput + get of {ROWS} rows ({mib:.0f} MiB) and of 1 row; {reps}\n")
     print(f"| {'path':<22} | {'rows/s':>8} | {'MiB/s':>7} | {'1-row round trip':>16} |")
     print(f"|{'-' * 24}|{'-' * 10}|{'-' * 9}|{'-' * 18}|")
     medians = {}
