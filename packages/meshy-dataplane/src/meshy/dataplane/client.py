@@ -353,7 +353,9 @@ class DataPlaneClient:
 
     def reader(self, stream: str, name: str, start: int | str = START_LATEST) -> "StreamReader":
         """A named reader. start: a sequence number to replay from, "latest" (the newest message
-        onward) or "resume" (where this reader name left off)."""
+        onward) or "resume" (where this reader name left off). A reader's position is saved each time
+        it asks for more, so after a crash "resume" redelivers the last messages it was handed
+        (at-least-once), and history is reclaimed only behind every reader's saved position."""
         return StreamReader(self, stream, name, start)
 
     def stream_stats(self, stream: str) -> dict:

@@ -1,0 +1,37 @@
+import multiprocessing
+import uuid
+
+import pytest
+
+from meshy.dataplane import DataPlaneClient, DataPlaneConfig, DataPlaneServer, new_secret
+
+
+@pytest.fixture(scope="session")
+def secret() -> bytes:
+    return new_secret()
+
+
+@pytest.fixture(scope="session")
+def dataplane(secret):
+    """One data plane (two storage units) per test worker; tests keep apart by unique table names."""
+    with DataPlaneServer.start(secret, DataPlaneConfig(num_storage_units=2)) as server:
+        yield server
+
+
+@pytest.fixture
+def client(dataplane, secret):
+    with DataPlaneClient(dataplane.endpoints, secret, name="test") as c:
+        yield c
+
+
+@pytest.fixture
+def unique():
+    return lambda prefix: f"{prefix}_{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def mp_context():
+    """Real processes, started from a server process that imported meshy once (fast starts)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["meshy.dataplane", "tests.dataplane.workers"])
+    return ctx
