@@ -394,19 +394,17 @@ class StreamReader:
     name: str
     start: int | str
     audit: SequenceAudit = field(default_factory=SequenceAudit)
-    _next: int | None = None
+    _next: int = 0
+
+    def __post_init__(self) -> None:
+        # Register now: from here on, history is kept for this reader until it has read it.
+        args = {"stream": self.stream, "reader": self.name, "start": self.start, "max_n": 0, "wait_s": 0.0}
+        self._next = self.client._call("read", args)["from"]
+        self.audit.next_expected = self._next
 
     def read(self, max_n: int = 256, timeout: float = 0.0) -> list[StreamMessage]:
-        args = {
-            "stream": self.stream,
-            "reader": self.name,
-            "start": self.start if self._next is None else self._next,
-            "max_n": max_n,
-        }
+        args = {"stream": self.stream, "reader": self.name, "start": self._next, "max_n": max_n}
         result = self.client._wait_call("read", args, timeout, done=lambda r: bool(r["messages"]))
-        if self._next is None:
-            self.audit.next_expected = result["from"]
-            self._next = result["from"]
         out = []
         for seq, t, payload in result["messages"]:
             if self.audit.observe(seq) != DUPLICATE:

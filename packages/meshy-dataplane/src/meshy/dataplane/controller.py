@@ -39,6 +39,7 @@ MAX_BATCH_ROWS = 1 << 20
 # Retired rows' storage is freed in batches, so clears do not queue in front of every put and get.
 CLEAR_BATCH_KEYS = 1024
 CLEAR_DELAY_S = 0.05
+MAX_WAKE_PASSES = 16
 _DEFERRED = object()
 _packer = msgspec.msgpack.Encoder()
 
@@ -182,7 +183,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             self._dirty.clear()
             return
         # Answering one waiter can change state another waits on (a ring grant appends to a ledger).
-        while True:
+        # Attempts mark state dirty only when they change it, so this settles within a few passes.
+        for _ in range(MAX_WAKE_PASSES):
             dirty, self._dirty = self._dirty, set()
             remaining = []
             for w in self._waiters:
@@ -202,6 +204,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             self._waiters = remaining
             if not self._dirty:
                 return
+        log.error("waiters did not settle after %d passes; still dirty: %s", MAX_WAKE_PASSES, self._dirty)
+        self._dirty.clear()
 
     def _dispatch(self, sock: zmq.Socket, frames: list) -> None:
         identity = frames[0]
@@ -301,7 +305,7 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             stream = ledger_stream(ring.name)
             self._stream(stream).append(_packer.encode(grant.to_wire()))
             self._dirty.add(("stream", stream))
-        self._dirty.add(("ring", ring.name))
+            self._dirty.add(("ring", ring.name))
 
     # ---- operations: liveness and tables ------------------------------------------------------
     def _op_ping(self, args: dict, identity: Any, request_id: int) -> dict:
@@ -402,6 +406,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         if not isinstance(reader, str) or not reader:
             raise SchemaError(f"stream '{stream.name}': reader must be a non-empty string, got {reader!r}")
         from_seq = stream.resolve_start(reader, args["start"])
+        if not isinstance(args["max_n"], int) or args["max_n"] < 0:
+            raise SchemaError(f"stream '{stream.name}': max_n must be an int >= 0, got {args['max_n']!r}")
 
         def attempt() -> dict | None:
             messages = stream.read(reader, from_seq, args["max_n"])
@@ -433,6 +439,11 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             self._record_grant(ring, ring.start())
         elif ring.members != members:
             raise SchemaError(f"ring '{name}' already exists with members {ring.members}, not {members}")
+        ring.check_member(args["member"])
+        # The member's ledger reader is registered here, atomically, so no grant from now on is
+        # reclaimed before the member has read it.
+        ledger = self._stream(ledger_stream(name))
+        ledger.cursors.setdefault(args["member"], max(1, ring.seq))
         return ring.status()
 
     def _op_ring_request(self, args: dict, identity: Any, request_id: int) -> Any:
@@ -441,8 +452,11 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         ring.check_member(member)
 
         def attempt() -> dict | None:
+            queued = member in ring.pending
             grant, new = ring.request(member)
             self._record_grant(ring, new)
+            if not queued and member in ring.pending:
+                self._dirty.add(("ring", ring.name))  # wakes the holder's status wait
             return grant.to_wire() if grant is not None else None
 
         return self._wait(identity, request_id, ("ring", ring.name), args["wait_s"], attempt, lambda: {})
@@ -457,6 +471,7 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         ring = self._ring(args["ring"])
         grant = ring.release(args["member"], args["payload"])
         self._record_grant(ring, grant)
+        self._dirty.add(("ring", ring.name))
         return grant.to_wire() if grant is not None else None
 
     def _op_ring_status(self, args: dict, identity: Any, request_id: int) -> Any:

@@ -58,13 +58,18 @@ class GpuTokenRing:
         self._on_acquire = on_acquire
         self._on_release = on_release
         self._held: Grant | None = None
-        status = client._call("ring_declare", {"ring": ring, "members": [list(m) for m in members]})
+        client._call("ring_declare", {"ring": ring, "member": member, "members": [list(m) for m in members]})
         self._seen_seq = 0
-        self._ledger = client.reader(ledger_stream(ring), name=member, start=max(1, status["seq"]))
+        self._ledger = client.reader(ledger_stream(ring), name=member, start="resume")
 
     @property
     def holding(self) -> bool:
         return self._held is not None
+
+    @property
+    def grant(self) -> Grant | None:
+        """The grant this member holds the token under, if it holds it."""
+        return self._held
 
     def _take(self, grant: Grant) -> Grant:
         if self._held is None or self._held.seq != grant.seq:
@@ -117,6 +122,12 @@ class GpuTokenRing:
             )
         self.audit()
         return self.holding
+
+    def close(self) -> None:
+        """Leave the ring: hand the token on if held, and stop pinning the grant ledger."""
+        if self._held is not None:
+            self.release()
+        self._ledger.close()
 
     def audit(self) -> SequenceAudit:
         """Read the grant ledger up to now; the audit says whether grant numbers arrived without gaps."""

@@ -47,7 +47,7 @@ class StreamState:
         """Messages with seq >= from_seq (possibly starting later, if reclaimed); moves the reader's cursor."""
         self.cursors[reader] = max(from_seq, self.cursors.get(reader, 0))
         out = []
-        if self.messages and from_seq <= self.messages[-1][0]:
+        if max_n > 0 and self.messages and from_seq <= self.messages[-1][0]:
             first = self.messages[0][0]
             for i in range(max(0, from_seq - first), len(self.messages)):
                 out.append(self.messages[i])

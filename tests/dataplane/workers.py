@@ -1,0 +1,74 @@
+"""Bodies of the processes the multi-process tests start (importable, so the forkserver preloads them)."""
+
+import json
+import time
+from pathlib import Path
+
+from meshy.dataplane import ON_DEMAND, DataPlaneClient, DataPlaneConfig, Endpoints, GpuTokenRing
+from meshy.dataplane.rings import ledger_stream
+
+
+def _client(endpoints: str, secret: bytes, name: str) -> DataPlaneClient:
+    return DataPlaneClient(Endpoints.from_json(endpoints), secret, DataPlaneConfig(), name=name)
+
+
+def ack_then_hold(endpoints: str, secret: bytes, table: str, task: str, ack_n: int, hold_n: int, out: str) -> None:
+    """Process and ack some rows, then lease more and hang holding them until killed."""
+    client = _client(endpoints, secret, "victim")
+    batch = client.lease(table, task, ["x"], count=ack_n, timeout=10)
+    acked = client.ack(batch).acked
+    held = client.lease(table, task, ["x"], count=hold_n, lease_s=1.0, timeout=10)
+    Path(out).write_text(json.dumps({"acked": acked, "held": held.row_ids}))
+    time.sleep(600)
+
+
+def drain(endpoints: str, secret: bytes, table: str, task: str, total: int, out: str) -> None:
+    """Consume until every row of the task is done; record what this process acked."""
+    client = _client(endpoints, secret, "survivor")
+    received, acked = [], []
+    deadline = time.monotonic() + 60
+    while client.table_stats(table)["tasks"][task]["done"] < total and time.monotonic() < deadline:
+        batch = client.lease(table, task, ["x"], count=4, min_count=1, lease_s=5.0, timeout=0.5)
+        if batch is not None:
+            received += batch.row_ids
+            acked += client.ack(batch).acked
+    Path(out).write_text(json.dumps({"received": received, "acked": acked}))
+    client.close()
+
+
+def ring_member(
+    endpoints: str,
+    secret: bytes,
+    ring: str,
+    member: str,
+    members: list[tuple[str, str]],
+    cycles: int,
+    out: str,
+    stop: str,
+) -> None:
+    """ON_DEMAND members take the token `cycles` times; FALLBACK members serve until `stop` exists."""
+    client = _client(endpoints, secret, member)
+    events: list[list] = []
+    handle: GpuTokenRing
+
+    def on_acquire(grant):
+        events.append(["acquire", grant.seq, grant.payload, time.monotonic()])
+
+    def on_release():
+        events.append(["release", handle.grant.seq, None, time.monotonic()])
+
+    handle = GpuTokenRing(client, ring, member, members, on_acquire=on_acquire, on_release=on_release)
+    if dict(members)[member] == ON_DEMAND:
+        for i in range(cycles):
+            handle.acquire(timeout=60)
+            time.sleep(0.002)  # "compute" while holding the devices
+            handle.release(payload={"by": member, "cycle": i})
+    else:
+        while not Path(stop).exists():
+            handle.poll(wait_s=0.1)
+    audit = handle.audit()
+    retained = client.stream_stats(ledger_stream(ring))["retained"]
+    handle.close()
+    log = {"events": events, "audit": audit.summary(), "clean": audit.clean, "ledger_retained": retained}
+    Path(out).write_text(json.dumps(log))
+    client.close()
