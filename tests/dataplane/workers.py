@@ -72,3 +72,12 @@ def ring_member(
     log = {"events": events, "audit": audit.summary(), "clean": audit.clean, "ledger_retained": retained}
     Path(out).write_text(json.dumps(log))
     client.close()
+
+
+def host_dataplane(secret: bytes, out: str) -> None:
+    """A process that hosts a data plane, reports its server pids, and waits to be killed."""
+    from meshy.dataplane import DataPlaneServer
+
+    server = DataPlaneServer.start(secret)
+    Path(out).write_text(json.dumps(server.pids))
+    time.sleep(600)

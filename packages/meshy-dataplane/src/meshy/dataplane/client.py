@@ -6,7 +6,9 @@ so a controller that dies during a wait is noticed within a slice plus the RPC t
 """
 
 import contextlib
+import functools
 import itertools
+import operator
 import os
 import threading
 import time
@@ -19,6 +21,7 @@ import msgspec
 import torch
 import zmq
 from transfer_queue.utils.zmq_utils import format_zmq_address
+from zmq.utils.monitor import recv_monitor_message
 
 from meshy.dataplane.audit import DUPLICATE, SequenceAudit
 from meshy.dataplane.config import DataPlaneConfig
@@ -38,6 +41,14 @@ from meshy.dataplane.streams import START_LATEST
 from meshy.dataplane.tables import AckResult
 from meshy.dataplane.wire import decode_reply, encode_request
 
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+}
+_HANDSHAKE_EVENTS = functools.reduce(
+    operator.or_, _HANDSHAKE_FAILED | {zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED}
+)
 _payloads = msgspec.msgpack.Encoder()
 _payload_decoder = msgspec.msgpack.Decoder()
 
@@ -123,7 +134,7 @@ class DataPlaneClient:
         """Ping the controller once, telling refused credentials apart from a server that is down."""
         probe = self._ctx.socket(zmq.DEALER)
         probe.linger = 0
-        monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        monitor = probe.get_monitor_socket(_HANDSHAKE_EVENTS)
         self._creds.secure_client(probe)
         probe.connect(self._controller_address)
         try:
@@ -131,7 +142,14 @@ class DataPlaneClient:
             if probe.poll(self.config.rpc_timeout_s * 1000):
                 decode_reply(probe.recv())
                 return
-            if monitor.poll(0):
+            events = set()
+            while monitor.poll(0):
+                events.add(recv_monitor_message(monitor)["event"])
+            # PLAIN reports the refusal; a CURVE server that cannot decrypt our hello just hangs up.
+            refused = events & _HANDSHAKE_FAILED or (
+                zmq.EVENT_DISCONNECTED in events and zmq.EVENT_HANDSHAKE_SUCCEEDED not in events
+            )
+            if refused:
                 raise AccessDenied(
                     f"the data-plane controller at {self._controller_address} refused this client's "
                     "credentials: the run secret does not match"

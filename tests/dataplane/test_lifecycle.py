@@ -1,0 +1,181 @@
+"""Server processes: how they start, what they listen on, who may talk to them, and how they die."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import zmq
+from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, format_zmq_address
+
+from meshy.dataplane import (
+    AccessDenied,
+    Column,
+    DataPlaneClient,
+    DataPlaneConfig,
+    DataPlaneServer,
+    ServerUnavailable,
+    TableSpec,
+    new_secret,
+)
+from tests.dataplane import workers
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def server_pids(pids: dict) -> list[int]:
+    return [pids["launcher"], pids["controller"], *pids["storage"]]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(gone(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if not gone(p)]
+
+
+def test_servers_are_plain_processes_on_loopback_without_ray(dataplane):
+    import ray
+
+    launcher = psutil.Process(dataplane.pids["launcher"])
+    children = {p.pid for p in launcher.children(recursive=True)}
+    assert children == {dataplane.pids["controller"], *dataplane.pids["storage"]}
+    for pid in server_pids(dataplane.pids):
+        for conn in psutil.Process(pid).net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                assert conn.laddr.ip == "127.0.0.1", f"process {pid} listens on {conn.laddr}"
+    ray_processes = [
+        p.info["name"] for p in psutil.process_iter(["name", "cmdline"]) if _looks_like_ray(p.info["cmdline"] or [])
+    ]
+    assert ray_processes == []
+    assert not ray.is_initialized()
+
+
+def _looks_like_ray(cmdline: list[str]) -> bool:
+    return any(part.endswith(("raylet", "gcs_server")) or part.startswith("ray::") for part in cmdline)
+
+
+def test_dead_storage_unit_and_dead_controller_give_clear_errors_within_seconds(secret):
+    config = DataPlaneConfig(num_storage_units=2, rpc_timeout_s=1.0, wait_slice_s=0.5)
+    with DataPlaneServer.start(secret, config) as server, DataPlaneClient(server.endpoints, secret, config) as client:
+        client.create_table(TableSpec("t", (Column("x", "int64"),)))
+        client.put("t", [0, 1], {"x": torch.tensor([0, 1])})
+
+        os.kill(server.pids["storage"][1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(
+            ServerUnavailable, match=r"storage unit TQ_STORAGE_UNIT_\w+ at tcp://127.0.0.1:\d+ did not answer"
+        ):
+            client.lease("t", "train", ["x"], count=2, timeout=5)
+        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(ServerUnavailable, match="storage unit"):
+            client.put("t", [2, 3], {"x": torch.tensor([2, 3])})
+
+        os.kill(server.pids["controller"], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnavailable, match=r"controller at tcp://127.0.0.1:\d+ did not answer 'lease'"):
+            client.lease("t", "infer", ["x"], timeout=60)
+        assert time.monotonic() - t0 < 3.0
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="did not answer 'append'"):
+            client.append("weights", {"version": 1})
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_shutdown_and_killing_the_host_leave_no_server_processes(secret, mp_context, tmp_path):
+    with DataPlaneServer.start(secret) as server:
+        pids = server_pids(server.pids)
+    assert wait_gone(pids, 5.0) == []
+
+    host = mp_context.Process(target=workers.host_dataplane, args=(secret, str(tmp_path / "pids.json")))
+    host.start()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pids.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.05)
+    pids = server_pids(json.loads((tmp_path / "pids.json").read_text()))
+    assert not any(gone(p) for p in pids)
+    os.kill(host.pid, signal.SIGKILL)
+    host.join()
+    assert wait_gone(pids, 5.0) == [], "orphaned data-plane server processes"
+
+
+def test_a_client_without_the_secret_is_refused(dataplane):
+    t0 = time.monotonic()
+    with pytest.raises(AccessDenied, match="refused this client's credentials"):
+        DataPlaneClient(dataplane.endpoints, new_secret(), DataPlaneConfig(rpc_timeout_s=1.0))
+    assert time.monotonic() - t0 < 2.0
+
+
+class _Exploit:
+    """Unpickling this creates a file: what an attacker would send to a TransferQueue socket."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_unauthenticated_bytes_never_reach_server_code(dataplane, tmp_path):
+    marker = tmp_path / "pwned"
+    frames = ZMQMessage.create(ZMQRequestType.GET_META, "attacker", {"x": _Exploit(marker)}).serialize()
+    ZMQMessage.deserialize(frames)  # the payload is live: decoding it runs code
+    assert marker.exists()
+    marker.unlink()
+
+    ctx = zmq.Context()
+    targets = [dataplane.endpoints.controller["ports"]["request_handle_socket"]]
+    targets += [unit["ports"]["put_get_socket"] for unit in dataplane.endpoints.storage]
+    try:
+        for port in targets:
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.identity = b"TQ_STORAGE_attacker"  # even with the identity storage units expect
+            sock.connect(format_zmq_address("127.0.0.1", port))
+            sock.send_multipart([bytes(f) for f in frames])
+            assert not sock.poll(1000), f"port {port} answered an unauthenticated peer"
+            sock.close()
+    finally:
+        ctx.term()
+    assert not marker.exists()
+
+
+def test_encrypted_transport_works_and_refuses_strangers(secret):
+    config = DataPlaneConfig(encrypt=True, rpc_timeout_s=2.0)
+    with DataPlaneServer.start(secret, config) as server:
+        assert server.endpoints.encrypted
+        with DataPlaneClient(server.endpoints, secret, config) as client:
+            client.create_table(TableSpec("t", (Column("x", "float32", (8,)),)))
+            client.put("t", [0], {"x": torch.ones(1, 8)})
+            assert torch.equal(client.lease("t", "train", ["x"], timeout=5).columns["x"], torch.ones(1, 8))
+        with pytest.raises(AccessDenied):
+            DataPlaneClient(server.endpoints, new_secret(), config)
+
+
+def test_ranks_under_torchrun_find_the_data_plane_through_the_store_and_consume_disjoint_rows(tmp_path):
+    env = {**os.environ, "MESHY_DATAPLANE_SECRET": new_secret().hex(), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    cmd += [str(REPO / "tests" / "dataplane" / "rank_consumer.py"), str(tmp_path)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    rows = [r for groups in per_rank for group in groups for r in group]
+    assert sorted(rows) == list(range(90)), "every row reached exactly one rank"
+    assert all(groups for groups in per_rank), "every rank consumed directly"
+    for groups in per_rank:
+        assert all(len(g) == 3 and len({r // 3 for r in g}) == 1 for g in groups), "whole groups only"
