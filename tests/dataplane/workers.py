@@ -81,3 +81,17 @@ def host_dataplane(secret: bytes, out: str) -> None:
     server = DataPlaneServer.start(secret)
     Path(out).write_text(json.dumps(server.pids))
     time.sleep(600)
+
+
+def churn_consumer(endpoints: str, secret: bytes, table: str, task: str, log: str) -> None:
+    """Lease whole groups and ack them forever, logging every ack result line by line (killed at random)."""
+    client = _client(endpoints, secret, "churn")
+    with open(log, "a") as out:
+        while True:
+            batch = client.lease(table, task, ["x"], count=2, min_count=1, whole_groups=True, lease_s=1.0, timeout=1)
+            if batch is None:
+                continue
+            time.sleep(0.05)  # the work: a kill here leaves the rows leased, unacked
+            result = client.ack(batch)
+            out.write(json.dumps({"acked": result.acked, "stale": result.stale, "already": result.already}) + "\n")
+            out.flush()
