@@ -179,3 +179,23 @@ def test_ranks_under_torchrun_find_the_data_plane_through_the_store_and_consume_
     assert all(groups for groups in per_rank), "every rank consumed directly"
     for groups in per_rank:
         assert all(len(g) == 3 and len({r // 3 for r in g}) == 1 for g in groups), "whole groups only"
+
+
+def test_the_controller_still_answers_transferqueue_requests_and_tables_are_its_partitions(client, unique, dataplane):
+    """TransferQueue's own protocol is served on the same socket, to peers that hold the secret."""
+    table = client.create_table(TableSpec(unique("tq"), (Column("x", "int64"),))).name
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        client._creds.secure_client(sock)
+        sock.connect(client._controller_address)
+        request = ZMQMessage.create(ZMQRequestType.GET_LIST_PARTITIONS, "raw-tq-client", {})
+        sock.send_multipart(request.serialize())
+        assert sock.poll(5000)
+        reply = ZMQMessage.deserialize(sock.recv_multipart())
+        sock.close()
+    finally:
+        ctx.term()
+    assert reply.request_type == ZMQRequestType.LIST_PARTITIONS_RESPONSE
+    assert table in reply.body["partition_ids"]
