@@ -1,0 +1,239 @@
+"""The models Meshy trains: one architecture record per name, in Hugging Face config.json terms.
+
+Every model is built from torchtitan's Qwen3 decoder components. MiniCPM5 is plain Llama, which is
+that decoder with QK-norm off (untied embeddings, GQA, RoPE in the rotate-half layout both HF classes
+use), so one state-dict adapter serves all: Llama's HF weight names are Qwen3's without q_norm/k_norm.
+QKV projections stay separate (torchtitan's fused QKV does not load through distributed state dicts).
+Attention is causal SDPA over right-padded batches, which runs on CPU and GPU alike.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch.nn as nn
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import (
+    make_ffn_config,
+    make_gqa_config,
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.qwen3 import Qwen3Model
+from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+from meshy.dataplane import SchemaError
+
+_NORMAL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+_ONES = {"weight": nn.init.ones_}
+QWEN3 = "Qwen3ForCausalLM"
+QWEN3_MOE = "Qwen3MoeForCausalLM"
+LLAMA = "LlamaForCausalLM"
+_MODEL_TYPES = {QWEN3: "qwen3", QWEN3_MOE: "qwen3_moe", LLAMA: "llama"}
+
+
+@dataclass(frozen=True)
+class DecoderArch:
+    """A decoder LLM's shape; field names follow Hugging Face config.json."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int
+    eos_token_id: int
+    rms_norm_eps: float = 1e-6
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture != LLAMA
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def titan_config(self) -> Qwen3Model.Config:
+        """The torchtitan model config (build it under `torch.device("meta")` for large sizes)."""
+        dim, head_dim = self.hidden_size, self.head_dim
+        rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=self.max_position_embeddings, theta=self.rope_theta)
+        layers = []
+        for _ in range(self.num_hidden_layers):
+            attention = make_gqa_config(
+                dim=dim,
+                n_heads=self.num_attention_heads,
+                n_kv_heads=self.num_key_value_heads,
+                head_dim=head_dim,
+                wqkv_param_init=_NORMAL,
+                wo_param_init=_NORMAL,
+                inner_attention=ScaledDotProductAttention.Config(),
+                rope=rope,
+                fuse_qkv=False,
+                qk_norm=self._norm(head_dim) if self.qk_norm else None,
+            )
+            block = Qwen3TransformerBlock.Config(
+                attention_norm=self._norm(dim),
+                ffn_norm=self._norm(dim),
+                attention=attention,
+                feed_forward=None if self.moe else self._ffn(),
+                moe=self._moe() if self.moe else None,
+            )
+            layers.append(block)
+        return Qwen3Model.Config(
+            vocab_size=self.vocab_size,
+            dim=dim,
+            norm=self._norm(dim),
+            enable_weight_tying=self.tie_word_embeddings,
+            tok_embeddings=Embedding.Config(num_embeddings=self.vocab_size, embedding_dim=dim, param_init=_NORMAL),
+            lm_head=Linear.Config(in_features=dim, out_features=self.vocab_size, param_init=_NORMAL),
+            layers=layers,
+        )
+
+    def _norm(self, size: int) -> RMSNorm.Config:
+        return RMSNorm.Config(normalized_shape=size, eps=self.rms_norm_eps, param_init=_ONES)
+
+    def _ffn(self):
+        return make_ffn_config(
+            dim=self.hidden_size, hidden_dim=self.intermediate_size, w1_param_init=_NORMAL, w2w3_param_init=_NORMAL
+        )
+
+    def _moe(self):
+        experts_init = {name: _NORMAL["weight"] for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
+        return make_moe_config(
+            num_experts=self.num_experts,
+            router=make_router_config(
+                dim=self.hidden_size,
+                num_experts=self.num_experts,
+                gate_param_init=_NORMAL,
+                top_k=self.num_experts_per_tok,
+                score_func="softmax",
+                route_norm=True,
+            ),
+            routed_experts=make_routed_experts_config(
+                dim=self.hidden_size,
+                hidden_dim=self.moe_intermediate_size,
+                num_experts=self.num_experts,
+                top_k=self.num_experts_per_tok,
+                param_init=experts_init,
+                comm_backend="standard",
+            ),
+        )
+
+    def state_dict_adapter(self) -> Qwen3StateDictAdapter:
+        """Maps torchtitan parameter names to and from the exact HF names."""
+        return Qwen3StateDictAdapter(self.titan_config(), None)
+
+    def hf_config(self, torch_dtype: str = "bfloat16") -> dict:
+        """config.json for the published HF directory."""
+        config = {
+            "architectures": [self.architecture],
+            "model_type": _MODEL_TYPES[self.architecture],
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "use_cache": True,
+            "torch_dtype": torch_dtype,
+        }
+        if self.architecture == LLAMA:
+            config["mlp_bias"] = False
+            config["pretraining_tp"] = 1
+        if self.moe:
+            config.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                router_aux_loss_coef=0.001,
+                output_router_logits=False,
+            )
+        return config
+
+    def num_parameters(self) -> int:
+        """Parameter count from the architecture alone (tied embeddings counted once)."""
+        d, h = self.hidden_size, self.head_dim
+        attention = d * h * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        attention += 2 * h if self.qk_norm else 0
+        if self.moe:
+            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+        else:
+            mlp = 3 * d * self.intermediate_size
+        per_layer = attention + mlp + 2 * d
+        embeddings = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + d + embeddings
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tied: bool, **moe: int):
+    return DecoderArch(
+        QWEN3_MOE if moe else QWEN3, hidden, intermediate, layers, heads, kv_heads, head_dim=128,
+        vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=tied,
+        bos_token_id=151643, eos_token_id=151645, **moe,
+    )  # fmt: skip
+
+
+def _minicpm5(hidden: int, intermediate: int, layers: int) -> DecoderArch:
+    return DecoderArch(
+        LLAMA, hidden, intermediate, layers, 16, 2, head_dim=128, vocab_size=130560, rope_theta=5e6,
+        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+
+
+def _tiny(architecture: str, tied: bool, **moe: int) -> DecoderArch:
+    """Small enough for CPU tests; every code path of its full-size family."""
+    kv_heads, head_dim = (1, 32) if architecture == LLAMA else (2, 16)
+    return DecoderArch(
+        architecture, 64, 128, 2, 4, kv_heads, head_dim, vocab_size=512, rope_theta=1e6,
+        max_position_embeddings=512, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, **moe,
+    )  # fmt: skip
+
+
+MODELS: dict[str, DecoderArch] = {
+    "qwen3-tiny": _tiny(QWEN3, tied=True),
+    "qwen3-tiny-moe": _tiny(QWEN3_MOE, tied=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "minicpm5-tiny": _tiny(LLAMA, tied=False),
+    # Production sizes, from each public checkpoint's config.json.
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, tied=False),
+    "qwen3-30b-a3b": _qwen3(
+        2048, 6144, 48, 32, 4, tied=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768
+    ),
+    "minicpm5-1b": _minicpm5(1536, 4608, 24),
+    "minicpm5-2b": _minicpm5(2048, 6144, 42),
+}
+ALIASES = {"minicpm5-2.6b": "minicpm5-2b"}  # public configs name the 2B model "2.6B"
+
+
+def get_model(name: str) -> DecoderArch:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in MODELS:
+        raise SchemaError(f"model: unknown name {name!r}; expected one of {sorted(MODELS) + sorted(ALIASES)}")
+    return MODELS[key]
