@@ -26,6 +26,8 @@ def _matches(value: Any, annotation: Any) -> bool:
         return value is None
     if annotation is Any:
         return True
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
     if annotation is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
     if annotation is int:

@@ -1,0 +1,104 @@
+"""Advantages for outcome rewards: GRPO group baselines, DAPO overlong shaping and dynamic sampling, critic GAE.
+
+The overlong penalty is kept out of the critic's targets: `gae` sees only the task reward, and callers add
+the penalty to the advantages afterwards (`tail_overlong_bonus`). Folded into the rewards, it would teach the
+critic to predict truncation from a prefix and GAE would spread it over the whole response, instead of it
+landing on the tail tokens that made the response too long.
+"""
+
+import torch
+from torch import Tensor
+
+from meshy.train.shapes import check_same_2d_shape
+
+
+def grpo_advantages(rewards: Tensor, scale_by_std: bool, eps: float = 1e-6) -> Tensor:
+    """Per group (row of rewards [G, n]), the reward minus the group mean, optionally over (group std + eps).
+
+    The std is the unbiased one (torch's default, Bessel-corrected, as verl uses): for small groups it is
+    larger than the population std by sqrt(n / (n - 1)), so scaled advantages are slightly smaller.
+    """
+    if rewards.ndim != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards: expected a [G, n] tensor with n >= 2 samples per group, got {tuple(rewards.shape)}")
+    if not rewards.is_floating_point():
+        raise ValueError(f"rewards: expected a floating-point tensor, got {rewards.dtype}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        return centred / (rewards.std(dim=1, keepdim=True) + eps)
+    return centred
+
+
+def dapo_overlong_penalty(lengths: Tensor, max_length: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO soft overlong punishment per response length: 0 up to max_length - buffer, then falling linearly
+    to -factor at max_length, and -factor beyond it. Returns float32."""
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"buffer: expected 0 < buffer <= max_length ({max_length}), got {buffer}")
+    over = (max_length - buffer - lengths.to(torch.float32)) / buffer
+    return over.clamp(min=-1.0, max=0.0) * factor
+
+
+def drop_uniform_groups(rewards: Tensor) -> tuple[Tensor, int]:
+    """Dynamic sampling: a group whose rewards are all equal has zero advantage everywhere and carries no signal.
+
+    Returns (keep [G] bool, number of groups dropped).
+    """
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards: expected a [G, n] tensor, got shape {tuple(rewards.shape)}")
+    keep = rewards.amax(dim=1) != rewards.amin(dim=1)
+    return keep, int((~keep).sum())
+
+
+def sample_lambdas(lengths: Tensor, k: float) -> Tensor:
+    """Per-sequence GAE lambda k ** (1 / L): the credit a reward at the end keeps after L steps of decay is k,
+    whatever the response length."""
+    if not 0 < k <= 1:
+        raise ValueError(f"k: expected 0 < k <= 1, got {k}")
+    if lengths.numel() and int(lengths.min()) < 1:
+        raise ValueError(f"lengths: expected every length >= 1, got min {int(lengths.min())}")
+    return k ** (1.0 / lengths.to(torch.float32))
+
+
+@torch.no_grad()
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambdas: Tensor) -> tuple[Tensor, Tensor]:
+    """GAE over each row's masked (response) tokens, with a per-sequence lambda; value after the last one is 0.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lambda_i * A_{t+1}. The returned
+    `returns` are the lambda = 1 targets, sum_l gamma^l r_{t+l} (Monte-Carlo), which the critic trains on.
+    Both are 0 outside the mask and carry no gradient. The masked tokens of a row must be contiguous.
+    """
+    check_same_2d_shape(token_rewards=token_rewards, values=values, mask=mask)
+    if lambdas.shape != (values.shape[0],):
+        raise ValueError(f"lambdas: expected shape ({values.shape[0]},), got {tuple(lambdas.shape)}")
+    if not 0 <= gamma <= 1:
+        raise ValueError(f"gamma: expected 0 <= gamma <= 1, got {gamma}")
+    keep = mask.bool()
+    zero = values.new_zeros(values.shape[0])
+    next_value, next_advantage, next_return = zero, zero, zero
+    advantages, returns = [], []
+    for t in reversed(range(values.shape[1])):
+        in_response = keep[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = torch.where(in_response, delta + gamma * lambdas * next_advantage, 0.0)
+        next_return = torch.where(in_response, token_rewards[:, t] + gamma * next_return, 0.0)
+        next_value = torch.where(in_response, values[:, t], 0.0)
+        advantages.append(next_advantage)
+        returns.append(next_return)
+    return torch.stack(advantages[::-1], dim=1), torch.stack(returns[::-1], dim=1)
+
+
+def tail_overlong_bonus(advantages: Tensor, mask: Tensor, penalty: Tensor) -> Tensor:
+    """Add each sequence's overlong penalty to its response tokens, decaying from the last token backwards.
+
+    Response token t of L gets penalty * lambda_inj ** (L - 1 - t), lambda_inj = max(0, 1 - 1 / (0.1 * L)):
+    the penalty reaches back about 0.1 * L tokens, and responses of 10 tokens or fewer get it on the last
+    token only. Returns a new tensor; positions outside the mask are unchanged.
+    """
+    check_same_2d_shape(advantages=advantages, mask=mask)
+    if penalty.shape != (advantages.shape[0],):
+        raise ValueError(f"penalty: expected shape ({advantages.shape[0]},), got {tuple(penalty.shape)}")
+    keep = mask.bool()
+    lengths = keep.sum(dim=1, keepdim=True).to(advantages.dtype)
+    steps_to_end = lengths - keep.cumsum(dim=1)
+    decay = (1.0 - 1.0 / (0.1 * lengths)).clamp(min=0.0)
+    bonus = penalty.unsqueeze(1).to(advantages.dtype) * decay**steps_to_end
+    return advantages + torch.where(keep, bonus, 0.0)

@@ -1,0 +1,21 @@
+"""Per-token log-probabilities of the trained tokens, in float32.
+
+Sequences are prompt + response, right-padded; a causal model sees no padding before a real token,
+so padding needs no attention mask. Position t predicts token t + 1.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [B, T-1, V] for predicting tokens[:, 1:] from tokens[:, :-1]."""
+    return model(tokens[:, :-1]).float()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) as [B, T-1] float32, at the sampling temperature."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    labels = tokens[:, 1:].unsqueeze(-1)
+    return torch.gather(F.log_softmax(logits, dim=-1), -1, labels).squeeze(-1)

@@ -1,0 +1,119 @@
+"""The trainer's process group, device mesh and model: built on the meta device, parallelized with
+torchtitan's Qwen3 parallelize function (FSDP2 over data-parallel ranks; TP, EP and CP degrees pass
+through for GPU recipes), then materialised on the local device.
+
+The default process group is the training role's own (its ranks only): roles never run collectives
+with each other, they meet on the data plane.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
+from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan.models.qwen3 import parallelize_qwen3
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane.fields import check_fields
+from meshy.train import cpu
+from meshy.train.models import DecoderArch
+
+SPMD_BACKEND = "partial_dtensor"  # DTensor for model-parallel axes only; plain tensors in and out
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the training role splits its model. dp_shard=-1 takes every rank left after the others."""
+
+    dp_shard: int = -1
+    dp_replicate: int = 1
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("dp_replicate", "tp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise SchemaError(f"ParallelConfig.{name}: expected a degree >= 1, got {getattr(self, name)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise SchemaError(f"ParallelConfig.dp_shard: expected -1 or a degree >= 1, got {self.dp_shard}")
+
+
+def local_device() -> torch.device:
+    if cpu.on_cpu():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_process_group(timeout_s: float = 600.0) -> None:
+    """Join the training role's process group from torchrun-style env (RANK, WORLD_SIZE, MASTER_*)."""
+    if dist.is_initialized():
+        return
+    if cpu.on_cpu():
+        cpu.use_cpu_device()
+    else:
+        torch.cuda.set_device(local_device())
+    # Autograd's worker threads cannot see the mesh stack torchtitan keeps per thread (for AC).
+    torch.autograd.set_multithreading_enabled(False)
+    dist.init_process_group("gloo" if cpu.on_cpu() else "nccl", timeout=timedelta(seconds=timeout_s))
+
+
+def build_model(arch: DecoderArch, config: ParallelConfig, seed: int = 0) -> tuple[torch.nn.Module, ParallelDims]:
+    """The model, parallelized over the default process group and initialised from `seed`."""
+    if cpu.on_cpu():
+        cpu.use_cpu_device()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=config.dp_shard,
+        data_parallel_replicate_degree=config.dp_replicate,
+        tensor_parallel_degree=config.tp,
+        expert_parallel_degree=config.ep,
+        context_parallel_degree=config.cp,
+        spmd_backend=SPMD_BACKEND,
+    )
+    dims = ParallelDims.from_config(parallelism, world)
+    with torch.device("meta"):
+        model = arch.titan_config().build()
+    if world > 1:
+        dims.build_mesh()
+        set_spmd_backend(SPMD_BACKEND)
+        model = parallelize_qwen3(
+            model,
+            parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param=config.param_dtype),
+            parallelism=parallelism,
+            compile_config=CompileConfig(enable=config.compile, components=["model"] if config.compile else []),
+            ac_config=None
+            if config.activation_checkpoint == "none"
+            else ActivationCheckpointingConfig(mode=config.activation_checkpoint),
+            dump_folder="",
+        )
+        if cpu.on_cpu():
+            cpu.sum_gradient_reduction(model)
+    model.to_empty(device=local_device())
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    return model, dims
+
+
+def load_weights(model: torch.nn.Module, arch: DecoderArch, hf_tensors: dict[str, torch.Tensor]) -> None:
+    """Load full HF-named tensors (the same on every rank) into a possibly sharded model."""
+    state = arch.state_dict_adapter().from_hf(dict(hf_tensors))  # from_hf mutates its argument
+    expected = set(model.state_dict())
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise SchemaError(f"weights do not fit {arch.architecture}: missing {missing[:5]}, unexpected {extra[:5]}")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))

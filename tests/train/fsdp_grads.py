@@ -1,0 +1,37 @@
+"""torchrun body for the FSDP gradient test: each rank takes its share of one batch, loss divided by
+the batch's global token count; rank 0 saves the full gradients."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshy.train.logprobs import forward_logits, token_logprobs
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model, init_process_group, load_weights
+
+
+def main() -> None:
+    model_name, inputs, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    arch = get_model(model_name)
+    model, _ = build_model(arch, ParallelConfig())
+    data = torch.load(inputs)
+    load_weights(model, arch, data["weights"])
+    tokens, mask = data["tokens"].chunk(world)[rank], data["mask"].chunk(world)[rank]
+    denominator = data["mask"].sum()
+    logprobs = token_logprobs(forward_logits(model, tokens), tokens)
+    (-(logprobs * mask).sum() / denominator).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        grads[name] = grad
+    if rank == 0:
+        torch.save(grads, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
