@@ -1,0 +1,193 @@
+"""One optimizer step of the policy: per-token logprobs, the configured loss parts, clipping, AdamW.
+
+A step's loss is normalised by a count all-reduced over data-parallel ranks (trained tokens, or
+sequences), so FSDP's summed gradients equal those of the whole global batch on one process. A step
+whose loss or gradient norm is not finite on any rank is skipped on every rank and counted.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane.fields import check_fields
+from meshy.train.logprobs import forward_logits, token_logprobs
+from meshy.train.losses import (
+    aggregate,
+    entropy_from_logits,
+    importance_weights,
+    kl_to_reference,
+    ppo_clip_loss,
+    topk_forward_kl,
+)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.lr > 0 or not self.max_grad_norm > 0 or self.warmup_steps < 0:
+            raise SchemaError(f"OptimConfig: lr and max_grad_norm must be > 0 and warmup_steps >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which loss parts a policy step uses.
+
+    pg_coef: token-level policy gradient with asymmetric PPO clip [1 - clip_low, 1 + clip_high].
+    tis: truncated importance sampling against the rollout engine's logprobs ("truncate" clamps the
+        per-token ratio to [tis_low, tis_high]; "mask" is IcePop: tokens outside get weight 0).
+    kl_coef: k3 KL to a reference policy (needs ref_logprobs). entropy_coef: entropy bonus.
+    distill_coef: forward KL to a teacher's top-k (online policy distillation).
+    """
+
+    pg_coef: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    tis: Literal["none", "truncate", "mask"] = "truncate"
+    tis_low: float = 0.5
+    tis_high: float = 5.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    distill_coef: float = 0.0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.pg_coef == 0 and self.distill_coef == 0:
+            raise SchemaError("LossConfig: pg_coef and distill_coef are both 0; the loss would be empty")
+        if not self.temperature > 0:
+            raise SchemaError(f"LossConfig.temperature: expected > 0, got {self.temperature}")
+
+
+@dataclass
+class PolicyBatch:
+    """One rank's minibatch. Positions t index the label tokens[:, t + 1]; mask marks response tokens."""
+
+    tokens: torch.Tensor  # [B, T] int64, prompt + response, right-padded
+    mask: torch.Tensor  # [B, T-1] float
+    advantages: torch.Tensor  # [B] or [B, T-1]
+    rollout_logprobs: torch.Tensor | None = None  # [B, T-1]
+    old_logprobs: torch.Tensor | None = None  # [B, T-1]; None: this step is on-policy for the trainer
+    ref_logprobs: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None  # [B, T-1, k]
+    teacher_topk_logprobs: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _all_reduce(value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=op)
+    return value
+
+
+class PolicyTrainer:
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, loss: LossConfig):
+        self.model = model
+        self.loss = loss
+        self.optim = optim
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        warmup = optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        self.steps = 0
+        self.skipped_nonfinite = 0
+
+    @torch.no_grad()
+    def logprobs(self, batch: PolicyBatch) -> torch.Tensor:
+        """The current policy's logprobs of a batch (the "old" policy when a version takes several steps)."""
+        return token_logprobs(forward_logits(self.model, batch.tokens), batch.tokens, self.loss.temperature)
+
+    def step(self, batch: PolicyBatch) -> dict[str, float]:
+        cfg = self.loss
+        device = batch.tokens.device
+        self._check(batch)
+        local_tokens = batch.mask.sum()
+        counts = torch.stack([local_tokens, (batch.mask.sum(dim=1) > 0).sum().to(local_tokens.dtype)]).float()
+        global_tokens, global_sequences = _all_reduce(counts.to(device)).tolist()
+        denominator = max(global_tokens if cfg.aggregation == "token_mean" else global_sequences, 1.0)
+
+        logits = forward_logits(self.model, batch.tokens)
+        if cfg.temperature != 1.0:
+            logits = logits / cfg.temperature
+        logprobs = token_logprobs(logits, batch.tokens)
+        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        metrics: dict[str, float] = {"tokens": float(local_tokens), "global_tokens": global_tokens}
+        token_loss = torch.zeros_like(logprobs)
+        if cfg.pg_coef:
+            pg, stats = ppo_clip_loss(logprobs, old, batch.advantages.to(logprobs.dtype), batch.mask, cfg.clip_low,
+                                      cfg.clip_high)  # fmt: skip
+            metrics.update(stats)
+            if cfg.tis != "none":
+                if batch.rollout_logprobs is None:
+                    raise SchemaError("PolicyBatch.rollout_logprobs: required when LossConfig.tis is not 'none'")
+                weights, tis_stats = importance_weights(old, batch.rollout_logprobs, batch.mask, cfg.tis_low,
+                                                        cfg.tis_high, cfg.tis)  # fmt: skip
+                pg = pg * weights
+                metrics.update(tis_stats)
+            metrics["pg_loss"] = float(aggregate(pg.detach(), batch.mask, cfg.aggregation, denominator))
+            token_loss = token_loss + cfg.pg_coef * pg
+        if cfg.kl_coef:
+            if batch.ref_logprobs is None:
+                raise SchemaError("PolicyBatch.ref_logprobs: required when LossConfig.kl_coef is set")
+            kl = kl_to_reference(logprobs, batch.ref_logprobs)
+            metrics["kl"] = float(aggregate(kl.detach(), batch.mask, cfg.aggregation, denominator))
+            token_loss = token_loss + cfg.kl_coef * kl
+        entropy = entropy_from_logits(logits.detach() if not cfg.entropy_coef else logits)
+        metrics["entropy"] = float(aggregate(entropy.detach(), batch.mask, cfg.aggregation, denominator))
+        if cfg.entropy_coef:
+            token_loss = token_loss - cfg.entropy_coef * entropy
+        if cfg.distill_coef:
+            if batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
+                raise SchemaError(
+                    "PolicyBatch.teacher_topk_ids/_logprobs: required when LossConfig.distill_coef is set"
+                )
+            distill = topk_forward_kl(logits, batch.teacher_topk_ids, batch.teacher_topk_logprobs)
+            metrics["distill_kl"] = float(aggregate(distill.detach(), batch.mask, cfg.aggregation, denominator))
+            token_loss = token_loss + cfg.distill_coef * distill
+
+        loss = aggregate(token_loss, batch.mask, cfg.aggregation, denominator)
+        loss.backward()
+        grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                    self.optim.max_grad_norm)  # fmt: skip
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        finite = torch.tensor(float(math.isfinite(loss.item()) and math.isfinite(grad_norm.item())), device=device)
+        if _all_reduce(finite, dist.ReduceOp.MIN).item() == 1.0:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.steps += 1
+        else:
+            self.skipped_nonfinite += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(
+            loss=float(_all_reduce(loss.detach().clone())),
+            grad_norm=float(grad_norm),
+            lr=self.scheduler.get_last_lr()[0],
+            skipped_nonfinite=float(self.skipped_nonfinite),
+        )
+        return metrics
+
+    @staticmethod
+    def _check(batch: PolicyBatch) -> None:
+        b, t = batch.tokens.shape
+        if batch.tokens.dtype != torch.int64 or t < 2:
+            raise SchemaError(f"PolicyBatch.tokens: expected int64 [B, T>=2], got {batch.tokens.dtype} {(b, t)}")
+        for name in ("mask", "rollout_logprobs", "old_logprobs", "ref_logprobs"):
+            value = getattr(batch, name)
+            if value is not None and tuple(value.shape) != (b, t - 1):
+                raise SchemaError(f"PolicyBatch.{name}: expected shape {(b, t - 1)}, got {tuple(value.shape)}")

@@ -1,0 +1,50 @@
+"""torchrun body for the resume test. `train`: 3 policy steps, checkpoint after step 2, then steps 3 and 4.
+`resume`: a differently-initialised trainer loads the checkpoint and runs steps 3 and 4. Both record
+the losses of steps 3 and 4 (rank 0) to compare bit for bit."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from meshy.train import checkpoint
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model, init_process_group
+from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
+
+
+def batch(step: int, rank: int, vocab: int) -> PolicyBatch:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, vocab, (2, 10), generator=g)
+    mask = torch.zeros(2, 9)
+    mask[:, 4:] = 1.0
+    rollout = torch.randn(2, 9, generator=g) * 0.01 - 2.0
+    return PolicyBatch(tokens, mask, torch.randn(2, generator=g), rollout_logprobs=rollout)
+
+
+def main() -> None:
+    mode, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    init_process_group()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    arch = get_model("qwen3-tiny")
+    model, _ = build_model(arch, ParallelConfig(), seed=0 if mode == "train" else 99)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-3, warmup_steps=3), LossConfig())
+    losses = {}
+    if mode == "train":
+        for step in (1, 2):
+            trainer.step(batch(step, rank, arch.vocab_size))
+        checkpoint.save(root, 2, trainer, {"version": 2, "weights_reader": "trainer"})
+    else:
+        cursors = checkpoint.load(checkpoint.latest(root), trainer)
+        assert cursors == {"version": 2, "weights_reader": "trainer"}, cursors
+    for step in (3, 4):
+        losses[step] = trainer.step(batch(step, rank, arch.vocab_size))["loss"]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": losses, "steps": trainer.steps, "lr": trainer.scheduler.get_last_lr()[0]}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
