@@ -8,6 +8,18 @@ import torch
 import torch.nn.functional as F
 
 
+def pack_rows(prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> tuple[torch.Tensor, list[slice]]:
+    """Right-padded prompt + response tokens [B, T] (T >= 2), and for each row the span of positions
+    whose labels are its response tokens."""
+    length = max(2, *(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)))
+    tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
+    spans = []
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        tokens[i, : len(p)], tokens[i, len(p) : len(p) + len(r)] = p, r
+        spans.append(slice(len(p) - 1, len(p) - 1 + len(r)))
+    return tokens, spans
+
+
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Float32 logits [B, T-1, V] for predicting tokens[:, 1:] from tokens[:, :-1]."""
     return model(tokens[:, :-1]).float()

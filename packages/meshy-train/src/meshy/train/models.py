@@ -193,26 +193,60 @@ class DecoderArch:
 
 def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tied: bool, **moe: int):
     return DecoderArch(
-        QWEN3_MOE if moe else QWEN3, hidden, intermediate, layers, heads, kv_heads, head_dim=128,
-        vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=tied,
-        bos_token_id=151643, eos_token_id=151645, **moe,
-    )  # fmt: skip
+        QWEN3_MOE if moe else QWEN3,
+        hidden,
+        intermediate,
+        layers,
+        heads,
+        kv_heads,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=tied,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        **moe,
+    )
 
 
 def _minicpm5(hidden: int, intermediate: int, layers: int) -> DecoderArch:
     return DecoderArch(
-        LLAMA, hidden, intermediate, layers, 16, 2, head_dim=128, vocab_size=130560, rope_theta=5e6,
-        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        LLAMA,
+        hidden,
+        intermediate,
+        layers,
+        16,
+        2,
+        head_dim=128,
+        vocab_size=130560,
+        rope_theta=5e6,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def _tiny(architecture: str, tied: bool, **moe: int) -> DecoderArch:
     """Small enough for CPU tests; every code path of its full-size family."""
     kv_heads, head_dim = (1, 32) if architecture == LLAMA else (2, 16)
     return DecoderArch(
-        architecture, 64, 128, 2, 4, kv_heads, head_dim, vocab_size=512, rope_theta=1e6,
-        max_position_embeddings=512, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, **moe,
-    )  # fmt: skip
+        architecture,
+        64,
+        128,
+        2,
+        4,
+        kv_heads,
+        head_dim,
+        vocab_size=512,
+        rope_theta=1e6,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        **moe,
+    )
 
 
 MODELS: dict[str, DecoderArch] = {

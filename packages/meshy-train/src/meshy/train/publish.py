@@ -64,6 +64,7 @@ class DirectoryPublisher:
         dtype: str = "bfloat16",
         max_shard_bytes: int = 4 << 30,
         keep: int = 2,
+        stream: str = WEIGHTS_STREAM,
     ):
         _check_dtype(dtype)
         if keep < 1:
@@ -71,6 +72,7 @@ class DirectoryPublisher:
         self.root = Path(root)
         self.arch = arch
         self.client = client
+        self.stream = stream
         self.dtype = dtype
         self.max_shard_bytes = max_shard_bytes
         self.keep = keep
@@ -114,7 +116,7 @@ class DirectoryPublisher:
         os.rename(tmp, final)
         published = Published(**{**published.to_message(), "seconds": time.perf_counter() - start})
         if self.client is not None:
-            self.client.append(WEIGHTS_STREAM, published.to_message())
+            self.client.append(self.stream, published.to_message())
         self._prune(version)
         return published
 
@@ -143,6 +145,7 @@ class SharedMemoryPublisher:
         dtype: str = "bfloat16",
         bucket_bytes: int = 512 << 20,
         keep: int = 2,
+        stream: str = WEIGHTS_STREAM,
     ):
         _check_dtype(dtype)
         if keep < 1:
@@ -150,6 +153,7 @@ class SharedMemoryPublisher:
         self.prefix = prefix
         self.arch = arch
         self.client = client
+        self.stream = stream
         self.dtype = dtype
         self.bucket_bytes = bucket_bytes
         self.keep = keep
@@ -179,7 +183,7 @@ class SharedMemoryPublisher:
         )
         self._versions[version] = buckets
         if self.client is not None:
-            self.client.append(WEIGHTS_STREAM, published.to_message())
+            self.client.append(self.stream, published.to_message())
         for old in [v for v in self._versions if v <= version - self.keep]:
             self._unlink(old)
         return published

@@ -130,14 +130,16 @@ class PolicyTrainer:
         metrics: dict[str, float] = {"tokens": float(local_tokens), "global_tokens": global_tokens}
         token_loss = torch.zeros_like(logprobs)
         if cfg.pg_coef:
-            pg, stats = ppo_clip_loss(logprobs, old, batch.advantages.to(logprobs.dtype), batch.mask, cfg.clip_low,
-                                      cfg.clip_high)  # fmt: skip
+            pg, stats = ppo_clip_loss(
+                logprobs, old, batch.advantages.to(logprobs.dtype), batch.mask, cfg.clip_low, cfg.clip_high
+            )
             metrics.update(stats)
             if cfg.tis != "none":
                 if batch.rollout_logprobs is None:
                     raise SchemaError("PolicyBatch.rollout_logprobs: required when LossConfig.tis is not 'none'")
-                weights, tis_stats = importance_weights(old, batch.rollout_logprobs, batch.mask, cfg.tis_low,
-                                                        cfg.tis_high, cfg.tis)  # fmt: skip
+                weights, tis_stats = importance_weights(
+                    old, batch.rollout_logprobs, batch.mask, cfg.tis_low, cfg.tis_high, cfg.tis
+                )
                 pg = pg * weights
                 metrics.update(tis_stats)
             metrics["pg_loss"] = float(aggregate(pg.detach(), batch.mask, cfg.aggregation, denominator))
@@ -163,8 +165,9 @@ class PolicyTrainer:
 
         loss = aggregate(token_loss, batch.mask, cfg.aggregation, denominator)
         loss.backward()
-        grad_norm = clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None],
-                                    self.optim.max_grad_norm)  # fmt: skip
+        grad_norm = clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None], self.optim.max_grad_norm
+        )
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         finite = torch.tensor(float(math.isfinite(loss.item()) and math.isfinite(grad_norm.item())), device=device)
         if _all_reduce(finite, dist.ReduceOp.MIN).item() == 1.0:

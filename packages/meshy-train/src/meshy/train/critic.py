@@ -1,0 +1,170 @@
+"""The learned critic of PPO in the style of JustRL II, and the service that runs it.
+
+The critic is the policy's backbone with a scalar value head whose weight starts at 0 and bias at the
+configured mean reward, so before any training every value is exactly that mean. Values are computed
+and trained in float32. The service is a role of its own: it writes the `values` column for new
+responses, and trains on the `returns` column (clipped value loss) once the advantage step wrote it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from meshy.dataplane import Batch, DataPlaneClient, SchemaError
+from meshy.dataplane import rollout as cols
+from meshy.dataplane.fields import check_fields
+from meshy.train.logprobs import pack_rows
+from meshy.train.losses import aggregate, clipped_value_loss
+from meshy.train.trainer import OptimConfig
+
+
+class ValueModel(nn.Module):
+    def __init__(self, backbone: nn.Module, hidden_size: int, initial_value: float):
+        super().__init__()
+        backbone._skip_lm_head = True  # torchtitan's Decoder then returns the final hidden states
+        self.backbone = backbone
+        device = next(backbone.parameters()).device
+        self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            self.value_head.weight.zero_()
+            self.value_head.bias.fill_(initial_value)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Values [B, T-1] in float32: position t values the state before token t + 1 (as logprobs)."""
+        hidden = self.backbone(tokens[:, :-1])
+        return self.value_head(hidden.float()).squeeze(-1)
+
+
+@dataclass
+class ValueBatch:
+    tokens: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T-1]
+    returns: torch.Tensor  # [B, T-1]
+    old_values: torch.Tensor  # [B, T-1]
+
+
+class CriticTrainer:
+    def __init__(self, model: ValueModel, optim: OptimConfig, value_clip: float = 0.2):
+        if not value_clip > 0:
+            raise SchemaError(f"critic value_clip: expected > 0, got {value_clip}")
+        self.model = model
+        self.optim = optim
+        self.value_clip = value_clip
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        self.steps = 0
+
+    def step(self, batch: ValueBatch) -> dict[str, float]:
+        tokens = torch.tensor([float(batch.mask.sum())], device=batch.mask.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tokens)
+        values = self.model(batch.tokens)
+        token_loss, stats = clipped_value_loss(values, batch.old_values, batch.returns, batch.mask, self.value_clip)
+        loss = aggregate(token_loss, batch.mask, "token_mean", max(tokens.item(), 1.0))
+        loss.backward()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for p in self.model.value_head.parameters():  # replicated, not sharded: sum its gradients by hand
+                dist.all_reduce(p.grad)
+        grad_norm = clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None], self.optim.max_grad_norm
+        )
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"value_loss": float(loss), "grad_norm": float(grad_norm), **stats}
+
+
+@dataclass(frozen=True)
+class CriticServiceConfig:
+    table: str = "rollout"
+    values_task: str = "critic_values"
+    train_task: str = "critic_train"
+    rows_per_rank: int = 8
+    groups_per_rank: int = 1
+    lease_s: float = 600.0
+    batch_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def _all_have(flag: bool) -> int:
+    """How many ranks have work (every rank must join every FSDP forward)."""
+    t = torch.tensor([float(flag)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return int(t.item())
+
+
+class CriticService:
+    def __init__(self, client: DataPlaneClient, trainer: CriticTrainer, config: CriticServiceConfig):
+        self.client = client
+        self.trainer = trainer
+        self.config = config
+        self.device = next(trainer.model.parameters()).device
+
+    def write_values(self, timeout: float | None = None) -> int:
+        """Value the responses of rows that have none yet; returns the rows this rank wrote."""
+        cfg = self.config
+        batch = self.client.lease(
+            cfg.table,
+            cfg.values_task,
+            [cols.PROMPT_IDS, cols.RESPONSE_IDS],
+            count=cfg.rows_per_rank,
+            min_count=1,
+            lease_s=cfg.lease_s,
+            timeout=cfg.batch_timeout_s if timeout is None else timeout,
+        )
+        if not _all_have(batch is not None):
+            return 0
+        tokens, _, spans = _pad(batch, self.device)
+        with torch.no_grad():
+            values = self.trainer.model(tokens)
+        if batch is None:
+            return 0
+        per_row = [values[i, span].cpu() for i, span in enumerate(spans)]
+        self.client.add_columns(cfg.table, batch.row_ids, {cols.VALUES: per_row}, ack=batch)
+        return len(batch)
+
+    def train_step(self, timeout: float | None = None) -> dict[str, float] | None:
+        """One critic step on whole groups whose returns are ready; None if no rank had any."""
+        cfg = self.config
+        needed = [cols.PROMPT_IDS, cols.RESPONSE_IDS, cols.VALUES, cols.RETURNS]
+        batch = self.client.lease(
+            cfg.table,
+            cfg.train_task,
+            needed,
+            count=cfg.groups_per_rank,
+            whole_groups=True,
+            lease_s=cfg.lease_s,
+            timeout=cfg.batch_timeout_s if timeout is None else timeout,
+        )
+        if not _all_have(batch is not None):
+            return None
+        tokens, mask, spans = _pad(batch, self.device)
+        returns, old = torch.zeros_like(mask), torch.zeros_like(mask)
+        if batch is not None:
+            for i, span in enumerate(spans):
+                returns[i, span] = batch.columns[cols.RETURNS][i].to(self.device)
+                old[i, span] = batch.columns[cols.VALUES][i].to(self.device)
+        metrics = self.trainer.step(ValueBatch(tokens, mask, returns, old))
+        if batch is not None:
+            self.client.ack(batch)
+        return metrics
+
+
+def _pad(batch: Batch | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[slice]]:
+    """Packed tokens, the response mask over label positions, and each row's span (a placeholder row
+    with nothing to train when this rank has no batch)."""
+    if batch is None:
+        return torch.zeros(1, 2, dtype=torch.int64, device=device), torch.zeros(1, 1, device=device), []
+    tokens, spans = pack_rows(batch.columns[cols.PROMPT_IDS], batch.columns[cols.RESPONSE_IDS])
+    mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+    for i, span in enumerate(spans):
+        mask[i, span] = 1.0
+    return tokens.to(device), mask.to(device), spans
