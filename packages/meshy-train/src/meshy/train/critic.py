@@ -76,7 +76,7 @@ class CriticTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return {"value_loss": float(loss), "grad_norm": float(grad_norm), **stats}
+        return {"value_loss": float(loss.detach()), "grad_norm": float(grad_norm), **stats}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,39 @@
+"""Synthetic rollout rows for the training tests."""
+
+import torch
+
+from meshy.dataplane import DataPlaneClient
+from meshy.dataplane import rollout as cols
+
+
+def put_groups(
+    client: DataPlaneClient,
+    table: str,
+    groups: range,
+    group_size: int,
+    vocab: int,
+    version: int = 0,
+    seed: int = 0,
+) -> list[int]:
+    """Complete rows (prompt, response, logprobs, versions, advantage) for each group; returns row ids."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for group in groups:
+        prompt = torch.randint(0, vocab, (int(torch.randint(2, 5, (), generator=g)),), generator=g)
+        ids = [group * group_size + k for k in range(group_size)]
+        responses = [torch.randint(0, vocab, (int(torch.randint(1, 6, (), generator=g)),), generator=g) for _ in ids]
+        rewards = torch.rand(group_size, generator=g)
+        advantages = rewards - rewards.mean()
+        client.put(table, ids, {cols.PROMPT_IDS: [prompt] * group_size}, group_ids=[group] * group_size)
+        client.add_columns(
+            table,
+            ids,
+            {
+                cols.RESPONSE_IDS: responses,
+                cols.ROLLOUT_LOGPROBS: [-torch.rand(len(r), generator=g) - 0.5 for r in responses],
+                cols.TOKEN_VERSIONS: [torch.full((len(r),), version) for r in responses],
+                cols.ADVANTAGE: [torch.full((len(r),), float(a)) for r, a in zip(responses, advantages, strict=True)],
+            },
+        )
+        rows += ids
+    return rows

@@ -1,0 +1,50 @@
+"""torchrun body: a 2-rank training service on a data plane the test hosts; 3 versions of 1 group per rank."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshy.dataplane import DataPlaneClient, Endpoints, secret_from_env
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model, init_process_group
+from meshy.train.publish import DirectoryPublisher
+from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
+from meshy.train.trainer import LossConfig, OptimConfig, PolicyTrainer
+
+
+def main() -> None:
+    out, table, stream = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    init_process_group()
+    rank = dist.get_rank()
+    arch = get_model("qwen3-tiny")
+    client = DataPlaneClient(
+        Endpoints.from_json((out / "endpoints.json").read_text()), secret_from_env(), name=f"rank{rank}"
+    )
+    model, _ = build_model(arch, ParallelConfig())
+    service = TrainingService(
+        client,
+        PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig()),
+        DirectoryPublisher(out / "weights", arch, client=client, stream=stream),
+        TrainServiceConfig(table=table, groups_per_rank=1, batch_timeout_s=30),
+        metrics=MetricsLog(out / "metrics.jsonl"),
+    )
+    service.publish_initial()
+    trained = []
+    original_lease = client.lease
+
+    def recording_lease(*args, **kwargs):
+        batch = original_lease(*args, **kwargs)
+        trained.extend(batch.row_ids if batch is not None else [])
+        return batch
+
+    client.lease = recording_lease
+    service.run(3)
+    (out / f"rank{rank}.json").write_text(json.dumps(trained))
+    client.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane import rollout as cols
+from meshy.dataplane.weights import Published
+from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.publish import DirectoryPublisher
+from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
+from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
+from tests.train.rows import put_groups
+
+REPO = Path(__file__).resolve().parents[2]
+ARCH = get_model("qwen3-tiny")
+
+
+def test_training_service_trains_whole_groups_acks_everything_and_publishes(client, unique, tmp_path):
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    put_groups(client, table, range(4), 2, ARCH.vocab_size)
+    put_groups(client, table, range(4, 5), 2, ARCH.vocab_size, version=-5, seed=1)  # too stale to train
+    put_groups(client, table, range(5, 6), 2, ARCH.vocab_size, seed=2)
+    client.put(table, [12, 13], {cols.PROMPT_IDS: [torch.tensor([1, 2])] * 2}, group_ids=[6, 6])
+    client.add_columns(table, [12, 13], {
+        cols.RESPONSE_IDS: [torch.tensor([3, 4, 5])] * 2,
+        cols.ROLLOUT_LOGPROBS: [torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, -1.0, -1.0])],  # row 12: 2 for 3
+        cols.TOKEN_VERSIONS: [torch.zeros(3, dtype=torch.int64)] * 2,
+        cols.ADVANTAGE: [torch.ones(3), torch.tensor([1.0, float("nan"), 1.0])],  # row 13: not finite
+    })  # fmt: skip
+    model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stream = unique("weights")
+    reader = client.reader(stream, "engine", start=1)
+    config = TrainServiceConfig(table=table, groups_per_rank=7, minibatches=2, max_staleness=2, batch_timeout_s=5)
+    service = TrainingService(
+        client,
+        PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig()),
+        DirectoryPublisher(tmp_path / "weights", ARCH, client=client, dtype="float32", stream=stream),
+        config,
+        metrics=MetricsLog(tmp_path / "metrics.jsonl"),
+    )
+    service.publish_initial()
+    record = service.train_version()
+
+    assert record["rows_trained"] + record["rows_dropped"] == 14
+    reasons = sorted(d["reason"] for d in record["dropped"])
+    assert reasons == [
+        "column advantage is not finite",
+        "column rollout_logprobs has 2 entries for 3 response tokens",
+        "every token older than max_staleness=2",
+        "every token older than max_staleness=2",
+    ]
+    assert record["rows_trained"] == 10
+    assert record["staleness_histogram"]["0"] > 0 and record["staleness_histogram"]["5"] > 0  # on-policy; 5 behind
+    for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "grad_norm", "entropy", "tokens_per_s", "lr"):
+        assert key in record, key
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["version"] == 1
+    assert client.table_stats(table)["retired"] == 14  # every row acked, trained or dropped with a reason
+    announced = [Published.from_message(m.payload).version for m in reader.read()]
+    assert announced == [0, 1] and reader.audit.clean
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "the step changed the weights"
+
+
+def test_a_non_finite_loss_is_skipped_and_counted():
+    model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = torch.randint(0, ARCH.vocab_size, (2, 6))
+    mask = torch.ones(2, 5)
+    metrics = trainer.step(PolicyBatch(tokens, mask, torch.tensor([1.0, float("inf")])))
+    assert metrics["skipped_nonfinite"] == 1.0 and trainer.steps == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(SchemaError, match=r"PolicyBatch.mask: expected shape \(2, 5\), got \(2, 6\)"):
+        trainer.step(PolicyBatch(tokens, torch.ones(2, 6), torch.zeros(2)))
+
+
+def test_ranks_of_a_torchrun_trainer_lease_directly_and_versions_increase(client, unique, dataplane, secret, tmp_path):
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    rows = put_groups(client, table, range(6), 2, ARCH.vocab_size)
+    stream = unique("weights")
+    reader = client.reader(stream, "audit", start=1)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MESHY_DATAPLANE_SECRET": secret.hex()}
+    (tmp_path / "endpoints.json").write_text(dataplane.endpoints.to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(Path(__file__).with_name("service_ranks.py")), str(tmp_path), table, stream]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in records] == [1, 2, 3]
+    assert sum(r["rows_trained"] for r in records) == len(rows)  # 2 ranks x 1 group x 2 rows, 3 versions
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert sorted(per_rank[0] + per_rank[1]) == rows and not set(per_rank[0]) & set(per_rank[1])
+    assert [Published.from_message(m.payload).version for m in reader.read()] == [0, 1, 2, 3]
+
+
+def test_critic_starts_at_the_mean_reward_and_learns_the_returns(client, unique):
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2)).name
+    rows = put_groups(client, table, range(3), 2, ARCH.vocab_size)
+    backbone, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    critic = ValueModel(backbone, ARCH.hidden_size, initial_value=0.52)
+    service = CriticService(
+        client,
+        CriticTrainer(critic, OptimConfig(lr=3e-3, max_grad_norm=10.0)),
+        CriticServiceConfig(table=table, rows_per_rank=6, groups_per_rank=3, batch_timeout_s=3),
+    )
+    assert service.write_values() == 6
+    batch = client.lease(table, "check", [cols.PROMPT_IDS, cols.RESPONSE_IDS, cols.VALUES], count=6, timeout=2)
+    for response, values in zip(batch.columns[cols.RESPONSE_IDS], batch.columns[cols.VALUES], strict=True):
+        assert values.dtype == torch.float32 and len(values) == len(response)
+        assert torch.all(values == 0.52)  # weight 0, bias = the mean reward
+    returns = {
+        r: torch.full((len(resp),), float(r % 2))
+        for r, resp in zip(batch.row_ids, batch.columns[cols.RESPONSE_IDS], strict=True)
+    }
+    client.add_columns(table, rows, {cols.RETURNS: [returns[r] for r in rows]})
+    losses = []
+    for _ in range(8):
+        service.config = CriticServiceConfig(
+            table=table, train_task=unique("critic_train"), groups_per_rank=3, batch_timeout_s=3
+        )
+        losses.append(service.train_step()["value_loss"])
+    assert losses[-1] < 0.7 * losses[0]
+    from meshy.train.critic import _pad
+
+    tokens, mask, spans = _pad(batch, torch.device("cpu"))
+    with torch.no_grad():
+        values = critic(tokens)
+    means = [values[i, span].mean().item() for i, span in enumerate(spans)]
+    high = [m for m, r in zip(means, batch.row_ids, strict=True) if r % 2]
+    low = [m for m, r in zip(means, batch.row_ids, strict=True) if not r % 2]
+    assert min(high) > max(low), "values moved toward each row's return"  # both started at 0.52
