@@ -11,6 +11,7 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import Published
 from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
+from meshy.train.logprobs import pack_rows
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.publish import DirectoryPublisher
@@ -127,9 +128,7 @@ def test_critic_starts_at_the_mean_reward_and_learns_the_returns(client, unique)
         )
         losses.append(service.train_step()["value_loss"])
     assert losses[-1] < 0.7 * losses[0]
-    from meshy.train.critic import _pad
-
-    tokens, mask, spans = _pad(batch, torch.device("cpu"))
+    tokens, spans = pack_rows(batch.columns[cols.PROMPT_IDS], batch.columns[cols.RESPONSE_IDS])
     with torch.no_grad():
         values = critic(tokens)
     means = [values[i, span].mean().item() for i, span in enumerate(spans)]
