@@ -69,6 +69,21 @@ def test_training_service_trains_whole_groups_acks_everything_and_publishes(clie
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "the step changed the weights"
 
 
+def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, unique, tmp_path):
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    put_groups(client, table, range(4), 2, ARCH.vocab_size)
+    model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = TrainServiceConfig(table=table, groups_per_rank=2, critic_warmup_versions=1, batch_timeout_s=5)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+    service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
+    warmup = service.train_version()
+    assert warmup["rows_trained"] == 0 and [d["reason"] for d in warmup["dropped"]] == ["critic warm-up"] * 4
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert (tmp_path / "v000001").is_dir()
+    assert service.train_version()["rows_trained"] == 4 and trainer.steps == 1
+
+
 def test_a_non_finite_loss_is_skipped_and_counted():
     model, _ = build_model(ARCH, ParallelConfig(), seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none"))

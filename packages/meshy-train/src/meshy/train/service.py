@@ -34,7 +34,9 @@ class TrainServiceConfig:
     """table/task: where rows come from. groups_per_rank: whole groups each rank trains per version.
     minibatches: optimizer steps per version (the version's rows split evenly). max_staleness: newest
     version minus a token's version beyond which the token is not trained (None: no limit).
-    checkpoint_every: versions between checkpoints (0: never)."""
+    checkpoint_every: versions between checkpoints (0: never). critic_warmup_versions: the first versions
+    only the critic learns (JustRL II): their rows are acked as dropped ("critic warm-up") and the
+    unchanged weights are published again, so rollout pacing goes on."""
 
     table: str = "rollout"
     task: str = "train"
@@ -46,10 +48,15 @@ class TrainServiceConfig:
     distill: bool = False
     kl_to_reference: bool = False
     checkpoint_every: int = 0
+    critic_warmup_versions: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.groups_per_rank < 1 or self.minibatches < 1 or self.checkpoint_every < 0:
+        if (
+            self.groups_per_rank < 1
+            or self.minibatches < 1
+            or min(self.checkpoint_every, self.critic_warmup_versions) < 0
+        ):
             raise SchemaError(f"TrainServiceConfig: groups_per_rank, minibatches >= 1, checkpoint_every >= 0: {self}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise SchemaError(f"TrainServiceConfig.max_staleness: expected None or >= 0, got {self.max_staleness}")
@@ -128,7 +135,11 @@ class TrainingService:
         )
         waited = time.perf_counter() - start
         rows, dropped, staleness = self._rows(batch)
-        minibatches = self._minibatches(rows)
+        warming_up = self.version < cfg.critic_warmup_versions  # the same on every rank
+        if warming_up:
+            dropped += [{"row": row["row"], "reason": "critic warm-up"} for row in rows]
+            rows = []
+        minibatches = [] if warming_up else self._minibatches(rows)
         if cfg.minibatches > 1:
             for mb in minibatches:
                 mb.old_logprobs = self.trainer.logprobs(mb)
@@ -212,7 +223,9 @@ class TrainingService:
                         {"row": row_id, "reason": f"every token older than max_staleness={self.config.max_staleness}"}
                     )
                     continue
-            rows.append({"prompt": c[cols.PROMPT_IDS][i], "response": response, "keep": keep, **per_token})
+            rows.append(
+                {"row": row_id, "prompt": c[cols.PROMPT_IDS][i], "response": response, "keep": keep, **per_token}
+            )
         return rows, dropped, staleness
 
     def _minibatches(self, rows: list[dict]) -> list[PolicyBatch]:
