@@ -14,7 +14,7 @@ from meshy.train.advantages import (
 from meshy.train.losses import (
     aggregate,
     clipped_value_loss,
-    entropy_from_logits,
+    entropy_from_log_probs,
     importance_weights,
     kl_to_reference,
     ppo_clip_loss,
@@ -200,14 +200,11 @@ def test_kl_to_reference_is_the_k3_estimator():
     close(kl_to_reference(logprobs, ref), [k3])
 
 
-def test_entropy_from_logits_in_float32():
-    logits = torch.tensor([[[0.0, 0.0], [0.0, math.log(3.0)]]], dtype=torch.bfloat16)
-    out = entropy_from_logits(logits)
-    assert out.dtype == torch.float32
-    # probabilities (1/2, 1/2) and (1/4, 3/4); bf16 rounds log 3, so compare loosely
+def test_entropy_from_log_probs():
+    log_probs = torch.log(torch.tensor([[[0.5, 0.5], [0.25, 0.75]]]))
     expected = [[math.log(2.0), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]]
-    torch.testing.assert_close(out, torch.tensor(expected), rtol=0, atol=5e-3)
-    close(entropy_from_logits(torch.zeros(1, 1, 4)), [[math.log(4.0)]])
+    close(entropy_from_log_probs(log_probs), expected)
+    close(entropy_from_log_probs(torch.log_softmax(torch.zeros(1, 1, 4), -1)), [[math.log(4.0)]])
 
 
 def test_topk_forward_kl_renormalises_the_teacher_and_not_the_student():
@@ -305,7 +302,7 @@ LOGITS = torch.zeros(2, 3, 8)
         (lambda: importance_weights(X, X, ONES, 1.2, 2.0, "mask"), "got low=1.2, high=2.0"),
         (lambda: importance_weights(X, X, ONES, 0.5, 0.9, "mask"), "got low=0.5, high=0.9"),
         (lambda: kl_to_reference(X, torch.zeros(2)), "logprobs, ref_logprobs: expected [B, T] tensors of one shape"),
-        (lambda: entropy_from_logits(X), "logits: expected a [B, T, V] tensor, got shape (2, 3)"),
+        (lambda: entropy_from_log_probs(X), "log_probs: expected a [B, T, V] tensor, got shape (2, 3)"),
         (
             lambda: topk_forward_kl(LOGITS, torch.zeros(2, 4, 2, dtype=torch.int64), torch.zeros(2, 4, 2)),
             "teacher_topk_ids: expected shape [B, T, k] with [B, T] = (2, 3), got (2, 4, 2)",

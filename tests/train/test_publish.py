@@ -55,8 +55,13 @@ def test_sharded_versions_are_atomic_announced_pruned_and_verified(client, uniqu
     assert torch.equal(forward_logits(target, tokens), forward_logits(model, tokens))
 
     shard = sorted((tmp_path / "v000003").glob("*.safetensors"))[0]
-    shard.write_bytes(shard.read_bytes()[:-10])
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # one flipped bit pattern in the last tensor's bytes
+    shard.write_bytes(bytes(data))
     with pytest.raises(CorruptWeights, match="v3 at .*: checksum mismatch"):
+        read_published(latest)
+    shard.write_bytes(bytes(data[:-10]))
+    with pytest.raises(CorruptWeights, match="v3: model-00001-of-0000.\\.safetensors is unreadable"):
         read_published(latest)
 
 

@@ -391,6 +391,12 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
     def _op_renew(self, args: dict, identity: Any, request_id: int) -> list[int]:
         return self._table(args["table"]).renew(args["lease_id"], args["consumer"], args["lease_s"], time.monotonic())
 
+    def _op_release(self, args: dict, identity: Any, request_id: int) -> int:
+        table = self._table(args["table"])
+        released = table.release(args["lease_id"], args["consumer"])
+        self._dirty.add(("table", table.spec.name))
+        return released
+
     def _op_table_stats(self, args: dict, identity: Any, request_id: int) -> dict:
         return self._table(args["table"]).stats()
 

@@ -277,6 +277,15 @@ class TableState:
         task = self.tasks[lease.task]
         return [r for u in lease.units for r in (self.groups[u] if task.whole_groups else [u])]
 
+    def release(self, lease_id: int, consumer: str) -> int:
+        """Give back a lease's unacked rows now (a consumer that will not use them); returns how many units."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.consumer != consumer:
+            return 0
+        units = len(lease.units)
+        self._return_to_pool(lease)
+        return units
+
     def expire(self, now: float) -> bool:
         """Return expired leases' unacked units to the front of their task's pool. True if any did."""
         changed = False
@@ -284,15 +293,19 @@ class TableState:
             deadline, lease_id = heapq.heappop(self._expiry)
             lease = self.leases.get(lease_id)
             if lease is None or lease.deadline != deadline:
-                continue  # acked, or renewed (a newer heap entry exists)
-            del self.leases[lease_id]
-            task = self.tasks[lease.task]
-            back = [u for u in lease.units if task.leased.get(u) == lease_id]
-            for u in back:
-                del task.leased[u]
-            task.ready = dict.fromkeys([*back, *task.ready])
+                continue  # acked, released, or renewed (a newer heap entry exists)
+            self._return_to_pool(lease)
             changed = True
         return changed
+
+    def _return_to_pool(self, lease: Lease) -> None:
+        """A lease's unacked units go back to the front of its task's pool."""
+        del self.leases[lease.lease_id]
+        task = self.tasks[lease.task]
+        back = [u for u in lease.units if task.leased.get(u) == lease.lease_id]
+        for u in back:
+            del task.leased[u]
+        task.ready = dict.fromkeys([*back, *task.ready])
 
     def next_deadline(self) -> float | None:
         return self._expiry[0][0] if self._expiry else None

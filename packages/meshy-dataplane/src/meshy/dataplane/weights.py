@@ -1,12 +1,12 @@
 """The `weights` control stream's contract between whoever publishes weights and whoever loads them.
 
 A message announces one version: where it is (an HF safetensors directory, or shared-memory buckets on
-this host), its size and a checksum. `read_published` verifies the checksum before handing out a single
-tensor, so a truncated or corrupted version is refused whole.
+this host), its size and a checksum of its tensors. `read_published` verifies the checksum before it
+returns anything, so a truncated or corrupted version is refused whole.
 """
 
 import json
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -32,7 +32,7 @@ class Published:
     """One version as announced on the `weights` stream.
 
     location: the directory (DISK), or the JSON manifest of buckets (SHARED_MEMORY).
-    checksum: xxh3-128 over the payload bytes (integrity against torn or truncated writes, not tampering).
+    checksum: xxh3-128 over the tensors (integrity against torn or truncated writes, not tampering).
     """
 
     version: int
@@ -53,24 +53,25 @@ class Published:
             raise SchemaError(f"weights message: expected the fields of Published, got {sorted(message)}") from e
 
 
-def checksum(chunks: Iterable[bytes | memoryview]) -> str:
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """Digest of one tensor's dtype, shape and bytes."""
+    digest = xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.digest()
+
+
+def combine_digests(digests: Mapping[str, bytes]) -> str:
+    """The checksum of a version: its tensors' digests in name order, so it does not depend on how the
+    tensors are laid out in files or buckets, and each digest can be computed as its tensor goes by."""
     digest = xxhash.xxh3_128()
-    for chunk in chunks:
-        digest.update(chunk)
+    for name in sorted(digests):
+        digest.update(name.encode())
+        digest.update(digests[name])
     return digest.hexdigest()
 
 
-def directory_checksum(directory: Path) -> str:
-    """Over the safetensors files of a directory, in name order."""
-
-    def chunks():
-        for shard in sorted(directory.glob("*.safetensors")):
-            yield shard.name.encode()
-            with open(shard, "rb") as f:
-                while chunk := f.read(16 << 20):
-                    yield chunk
-
-    return checksum(chunks())
+def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    return combine_digests({name: tensor_digest(t) for name, t in tensors.items()})
 
 
 def read_published(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -79,11 +80,14 @@ def read_published(published: Published) -> tuple[dict, dict[str, torch.Tensor]]
         directory = Path(published.location)
         if not directory.is_dir():
             raise CorruptWeights(f"weights v{published.version}: no directory {directory}")
-        if directory_checksum(directory) != published.checksum:
-            raise CorruptWeights(f"weights v{published.version} at {directory}: checksum mismatch")
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(directory.glob("*.safetensors")):
-            tensors.update(load_file(shard))
+            try:
+                tensors.update(load_file(shard))
+            except Exception as e:  # safetensors raises its own error types for truncated or bad files
+                raise CorruptWeights(f"weights v{published.version}: {shard.name} is unreadable: {e}") from None
+        if tensors_checksum(tensors) != published.checksum:
+            raise CorruptWeights(f"weights v{published.version} at {directory}: checksum mismatch")
         return json.loads((directory / "config.json").read_text()), tensors
     if published.format == SHARED_MEMORY:
         return _read_shared_memory(published)
@@ -97,8 +101,6 @@ def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Ten
     except FileNotFoundError as e:
         raise CorruptWeights(f"weights v{published.version}: shared-memory bucket gone ({e})") from None
     try:
-        if checksum(buckets[n].buf[:size] for n, size in meta["buckets"].items()) != published.checksum:
-            raise CorruptWeights(f"weights v{published.version} in shared memory: checksum mismatch")
         tensors = {}
         for entry in meta["tensors"]:
             dtype, count = DTYPES[entry["dtype"]], torch.Size(entry["shape"]).numel()
@@ -108,6 +110,8 @@ def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Ten
                 .view(entry["shape"])
                 .clone()
             )
+        if tensors_checksum(tensors) != published.checksum:
+            raise CorruptWeights(f"weights v{published.version} in shared memory: checksum mismatch")
         return meta["config"], tensors
     finally:
         for shm in buckets.values():

@@ -25,9 +25,18 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
     return model(tokens[:, :-1]).float()
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) as [B, T-1] float32, at the sampling temperature."""
+def full_log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log-softmax over the vocabulary [B, T-1, V], float32, at the sampling temperature."""
     if temperature != 1.0:
         logits = logits / temperature
-    labels = tokens[:, 1:].unsqueeze(-1)
-    return torch.gather(F.log_softmax(logits, dim=-1), -1, labels).squeeze(-1)
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+def label_logprobs(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) as [B, T-1], picked from a full log-softmax."""
+    return torch.gather(log_probs, -1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) as [B, T-1] float32, at the sampling temperature."""
+    return label_logprobs(full_log_probs(logits, temperature), tokens)

@@ -108,12 +108,12 @@ def kl_to_reference(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy [B, T] of softmax(logits [B, T, V]), computed in float32."""
-    if logits.ndim != 3:
-        raise ValueError(f"logits: expected a [B, T, V] tensor, got shape {tuple(logits.shape)}")
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+def entropy_from_log_probs(log_probs: Tensor) -> Tensor:
+    """Entropy [B, T] of the distributions whose full log-softmax [B, T, V] is given (the trainer already
+    has it for the token logprobs, so the softmax is not computed twice)."""
+    if log_probs.ndim != 3:
+        raise ValueError(f"log_probs: expected a [B, T, V] tensor, got shape {tuple(log_probs.shape)}")
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
 
 
 def topk_forward_kl(student_logits: Tensor, teacher_topk_ids: Tensor, teacher_topk_logprobs: Tensor) -> Tensor:

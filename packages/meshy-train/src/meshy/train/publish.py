@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -26,10 +27,14 @@ from meshy.dataplane.weights import (
     SHARED_MEMORY,
     WEIGHTS_STREAM,
     Published,
-    checksum,
-    directory_checksum,
+    combine_digests,
+    tensor_digest,
 )
 from meshy.train.models import DecoderArch
+
+# Tensor digests are computed on a helper thread while the shards are written (xxhash and safetensors'
+# writer both release the GIL), so the checksum costs next to nothing on top of the write.
+_digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshy-weights-digest")
 
 
 def _is_writer() -> bool:
@@ -88,8 +93,9 @@ class DirectoryPublisher:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         shard: dict[str, torch.Tensor] = {}
-        shard_bytes, weight_map, files = 0, {}, []
+        shard_bytes, weight_map, files, digests = 0, {}, [], {}
         for name, tensor in hf_tensors(model, self.arch, DTYPES[self.dtype]):
+            digests[name] = _digester.submit(tensor_digest, tensor)  # hashed while shards are written
             size = tensor.numel() * tensor.element_size()
             if shard and shard_bytes + size > self.max_shard_bytes:
                 files.append(self._write(tmp, len(files), shard))
@@ -112,9 +118,9 @@ class DirectoryPublisher:
             index = {"metadata": {"total_size": num_bytes}, "weight_map": {k: names[i] for k, i in weight_map.items()}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         (tmp / "config.json").write_text(json.dumps(self.arch.hf_config(self.dtype), indent=1))
-        published = Published(version, DISK, str(final), directory_checksum(tmp), num_bytes, 0.0)
+        checksum = combine_digests({name: digest.result() for name, digest in digests.items()})
         os.rename(tmp, final)
-        published = Published(**{**published.to_message(), "seconds": time.perf_counter() - start})
+        published = Published(version, DISK, str(final), checksum, num_bytes, time.perf_counter() - start)
         if self.client is not None:
             self.client.append(self.stream, published.to_message())
         self._prune(version)
@@ -177,7 +183,7 @@ class SharedMemoryPublisher:
             buckets.append(self._write_bucket(f"{self.prefix}-v{version}-b{i}", group, manifest))
         sizes = {shm.name: sum(e["nbytes"] for e in manifest if e["bucket"] == shm.name) for shm in buckets}
         meta = {"config": self.arch.hf_config(self.dtype), "buckets": sizes, "tensors": manifest}
-        digest = checksum(shm.buf[: sizes[shm.name]] for shm in buckets)
+        digest = combine_digests({name: tensor_digest(tensor) for group in groups for name, tensor in group})
         published = Published(
             version, SHARED_MEMORY, json.dumps(meta), digest, sum(sizes.values()), time.perf_counter() - start
         )

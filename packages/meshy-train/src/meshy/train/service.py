@@ -9,6 +9,7 @@ length, non-finite values) is acked with its reason recorded; tokens generated b
 import json
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -111,6 +112,9 @@ class TrainingService:
         self.checkpoint_dir = checkpoint_dir
         self.version = version
         self.device = next(trainer.model.parameters()).device
+        # The next version's rows are leased and fetched while this version trains.
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshy-train-prefetch")
+        self._next: Future | None = None
 
     def publish_initial(self) -> Published | None:
         """Announce the starting weights as the current version, so engines start from the same ones."""
@@ -124,15 +128,8 @@ class TrainingService:
         """Lease, train, ack, publish version + 1. Returns this version's metrics (same on every rank)."""
         cfg = self.config
         start = time.perf_counter()
-        batch = self.client.lease(
-            cfg.table,
-            cfg.task,
-            cfg.columns,
-            count=cfg.groups_per_rank,
-            whole_groups=True,
-            lease_s=cfg.lease_s,
-            timeout=cfg.batch_timeout_s,
-        )
+        batch = self._next.result() if self._next is not None else self._lease()
+        self._next = self._prefetcher.submit(self._lease)
         waited = time.perf_counter() - start
         rows, dropped, staleness = self._rows(batch)
         warming_up = self.version < cfg.critic_warmup_versions  # the same on every rank
@@ -186,6 +183,27 @@ class TrainingService:
             record[key] = sum(s[key] for s in steps) / len(steps)
         self.metrics.write(record)
         return record
+
+    def _lease(self) -> Batch | None:
+        cfg = self.config
+        return self.client.lease(
+            cfg.table,
+            cfg.task,
+            cfg.columns,
+            count=cfg.groups_per_rank,
+            whole_groups=True,
+            lease_s=cfg.lease_s,
+            timeout=cfg.batch_timeout_s,
+        )
+
+    def close(self) -> None:
+        """Stop prefetching; rows fetched for a version that will not run go back to the pool at once."""
+        if self._next is not None:
+            batch = self._next.result()
+            if batch is not None:
+                self.client.release(batch)
+            self._next = None
+        self._prefetcher.shutdown()
 
     # ---- rows -> batches ----------------------------------------------------------------------
     def _rows(self, batch: Batch | None) -> tuple[list[dict], list[dict], Counter]:

@@ -15,10 +15,10 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.fields import check_fields
-from meshy.train.logprobs import forward_logits, token_logprobs
+from meshy.train.logprobs import forward_logits, full_log_probs, label_logprobs, token_logprobs
 from meshy.train.losses import (
     aggregate,
-    entropy_from_logits,
+    entropy_from_log_probs,
     importance_weights,
     kl_to_reference,
     ppo_clip_loss,
@@ -50,6 +50,8 @@ class LossConfig:
         per-token ratio to [tis_low, tis_high]; "mask" is IcePop: tokens outside get weight 0).
     kl_coef: k3 KL to a reference policy (needs ref_logprobs). entropy_coef: entropy bonus.
     distill_coef: forward KL to a teacher's top-k (online policy distillation).
+    entropy_metric_tokens: how many trained tokens per rank the entropy metric samples (0: all); the
+        entropy bonus, when entropy_coef is set, always uses every token.
     """
 
     pg_coef: float = 1.0
@@ -63,6 +65,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     distill_coef: float = 0.0
     temperature: float = 1.0
+    entropy_metric_tokens: int = 1024
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -125,7 +128,8 @@ class PolicyTrainer:
         logits = forward_logits(self.model, batch.tokens)
         if cfg.temperature != 1.0:
             logits = logits / cfg.temperature
-        logprobs = token_logprobs(logits, batch.tokens)
+        log_probs = full_log_probs(logits)
+        logprobs = label_logprobs(log_probs, batch.tokens)
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         metrics: dict[str, float] = {"tokens": float(local_tokens), "global_tokens": global_tokens}
         token_loss = torch.zeros_like(logprobs)
@@ -150,10 +154,12 @@ class PolicyTrainer:
             kl = kl_to_reference(logprobs, batch.ref_logprobs)
             metrics["kl"] = float(aggregate(kl.detach(), batch.mask, cfg.aggregation, denominator))
             token_loss = token_loss + cfg.kl_coef * kl
-        entropy = entropy_from_logits(logits.detach() if not cfg.entropy_coef else logits)
-        metrics["entropy"] = float(aggregate(entropy.detach(), batch.mask, cfg.aggregation, denominator))
         if cfg.entropy_coef:
+            entropy = entropy_from_log_probs(log_probs)
+            metrics["entropy"] = float(aggregate(entropy.detach(), batch.mask, cfg.aggregation, denominator))
             token_loss = token_loss - cfg.entropy_coef * entropy
+        else:
+            metrics["entropy"] = self._entropy_metric(log_probs, batch.mask)
         if cfg.distill_coef:
             if batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
                 raise SchemaError(
@@ -184,6 +190,19 @@ class PolicyTrainer:
             skipped_nonfinite=float(self.skipped_nonfinite),
         )
         return metrics
+
+    def _entropy_metric(self, log_probs: torch.Tensor, mask: torch.Tensor) -> float:
+        """Mean entropy per trained token, over at most `entropy_metric_tokens` of them per rank (evenly
+        strided): as a metric it needs no more, and on small models a full pass costs as much as a layer."""
+        with torch.no_grad():
+            positions = mask.bool().nonzero()
+            limit = self.loss.entropy_metric_tokens
+            if limit and len(positions) > limit:
+                positions = positions[torch.linspace(0, len(positions) - 1, limit).long()]
+            picked = log_probs[positions[:, 0], positions[:, 1]].unsqueeze(0)
+            totals = torch.stack([entropy_from_log_probs(picked).sum(), torch.tensor(float(len(positions)))])
+            entropy_sum, count = _all_reduce(totals.to(log_probs.device)).tolist()
+        return entropy_sum / max(count, 1.0)
 
     @staticmethod
     def _check(batch: PolicyBatch) -> None:
