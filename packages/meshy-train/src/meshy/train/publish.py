@@ -48,7 +48,7 @@ def hf_tensors(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) ->
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if _is_writer():
             for hf_name, tensor in adapter.to_hf({name: full.detach()}).items():
-                yield hf_name, tensor.to(device="cpu", dtype=dtype).contiguous()
+                yield hf_name, tensor.to(dtype).cpu().contiguous()  # converted where it lives (GPU: on device)
 
 
 def _check_dtype(dtype: str) -> None:
