@@ -232,12 +232,16 @@ class DataPlaneClient:
         columns: Mapping[str, Any],
         ack: "Batch | None" = None,
     ) -> AckResult | None:
-        """Add columns to existing rows; with `ack`, also ack that batch's rows for its task, atomically."""
+        """Add columns to existing rows; with `ack`, also ack these rows for that batch's task, atomically
+        (the rows written must belong to the batch)."""
         ack_args = None
         if ack is not None:
-            ack_args = {"task": ack.task, "row_ids": list(ack.row_ids)}
             if ack.table != table:
                 raise SchemaError(f"add_columns: ack is a batch of table '{ack.table}', not '{table}'")
+            outside = sorted(set(row_ids) - set(ack.row_ids))
+            if outside:
+                raise SchemaError(f"add_columns: rows {outside[:5]} are not in the acked batch")
+            ack_args = {"task": ack.task, "row_ids": list(row_ids)}
         result = self._write(table, False, row_ids, columns, None, ack_args)
         return AckResult(**result["ack"]) if ack is not None else None
 

@@ -1,0 +1,110 @@
+"""The interface every generation backend implements, so services and tests do not care which one runs.
+
+All methods are coroutines. A generation reports, for every output token, the log-probability of the
+sampled token under the distribution it was sampled from (temperature applied, before top-k/top-p
+truncation, as the trainer computes it) and the weights version that produced it. Weight updates land
+between decode steps; tokens already produced keep their version.
+"""
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane.fields import check_fields
+from meshy.dataplane.weights import Published
+
+FINISH_STOP = "stop"  # an EOS or stop token was produced (it is part of the output)
+FINISH_LENGTH = "length"  # max_new_tokens reached
+FINISH_ABORT = "abort"  # aborted: the output so far is returned
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """max_new_tokens: output budget. temperature 0 is greedy. top_k 0 and top_p 1 disable truncation.
+    seed: same seed, same prompt, same weights -> same tokens. stop_token_ids end a generation (EOS is
+    the engine's own and always stops)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.max_new_tokens < 0:
+            raise SchemaError(f"SamplingParams.max_new_tokens: expected >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise SchemaError(f"SamplingParams.temperature: expected >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SchemaError(f"SamplingParams.top_p: expected in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SchemaError(f"SamplingParams.top_k: expected >= 0 (0 is off), got {self.top_k}")
+
+
+@dataclass
+class Generation:
+    request_id: str
+    output_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    finish_reason: str
+    prompt_length: int = 0
+
+
+@dataclass
+class Scores:
+    """Per position t >= start of a scored sequence: log p(ids[t + 1] | ids[:t + 1]) and the top-k."""
+
+    token_logprobs: list[float]
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+
+
+WeightsSource = Published | Mapping[str, torch.Tensor]
+
+
+class Engine(abc.ABC):
+    """A generation backend. `weight_version` is the version the next token will be produced by."""
+
+    weight_version: int
+
+    @abc.abstractmethod
+    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
+        """Generate a continuation; returns when it finishes (stop, length or abort)."""
+
+    @abc.abstractmethod
+    async def score(self, input_ids: list[int], top_k: int = 0, start: int = 0) -> Scores:
+        """Log-probabilities of a given sequence from position `start` on (and the top-k at each)."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """End a running generation now; its `generate` returns the output so far (finish "abort")."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop producing tokens after the current step; running requests keep their state."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continue after `pause`."""
+
+    @abc.abstractmethod
+    async def update_weights(self, version: int, source: WeightsSource) -> None:
+        """Load a published version (verified) or in-memory HF-named tensors between decode steps."""
+
+    @abc.abstractmethod
+    async def release(self) -> None:
+        """Free device memory (weights and cache) for a colocated role; generation waits for `onload`."""
+
+    @abc.abstractmethod
+    async def onload(self) -> None:
+        """Take device memory back after `release`."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop the engine; pending generations end as aborted."""
