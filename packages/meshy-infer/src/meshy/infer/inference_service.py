@@ -84,11 +84,15 @@ class InferenceService:
         self._aborted_for_update: set[str] = set()
         self._updating = asyncio.Event()
         self._updating.set()  # set: no update in progress
+        # Finished rows wait here, by lease, to be written (and acked) many at a time.
+        self._finished: dict[int, tuple[Batch, list[int], list[dict]]] = {}
+        self._finished_ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event | None = None, max_rows: int | None = None) -> InferenceStats:
         """Serve until `stop` is set (or `max_rows` rows are written); then finish what is in flight."""
         stop = stop or asyncio.Event()
         watcher = asyncio.create_task(self._watch_weights(stop))
+        writer = asyncio.create_task(self._write_finished())
         try:
             while not stop.is_set() and (max_rows is None or self.stats.rows < max_rows):
                 free = self.config.max_in_flight - len(self._in_flight)
@@ -116,7 +120,9 @@ class InferenceService:
                 await asyncio.gather(*self._in_flight.values())
         finally:
             stop.set()
+            writer.cancel()
             await watcher
+        await self._flush()
         return self.stats
 
     async def _serve(self, batch: Batch, row_id: int, prompt: torch.Tensor) -> None:
@@ -127,9 +133,26 @@ class InferenceService:
         except Exception as e:  # the row is reported, the service goes on
             log.exception("row %s failed", row_id)
             columns = self._error_columns(f"{type(e).__name__}: {e}")
-        await asyncio.to_thread(self.client.add_columns, self.config.table, [row_id], columns, ack=batch)
-        self.stats.rows += 1
-        self.stats.errors += columns[cols.FINISH_REASON] == [FINISH_ERROR]
+        _, rows, values = self._finished.setdefault(batch.lease_id, (batch, [], []))
+        rows.append(row_id)
+        values.append(columns)
+        self._finished_ready.set()
+
+    async def _write_finished(self) -> None:
+        while True:
+            await self._finished_ready.wait()
+            self._finished_ready.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Write every finished row, one atomic write-and-ack per lease."""
+        finished, self._finished = self._finished, {}
+        for batch, rows, values in finished.values():
+            columns = {name: [v[name] for v in values] for name in values[0]}
+            columns[cols.TRUNCATED] = torch.tensor(columns[cols.TRUNCATED])
+            await asyncio.to_thread(self.client.add_columns, self.config.table, rows, columns, ack=batch)
+            self.stats.rows += len(rows)
+            self.stats.errors += sum(v[cols.FINISH_REASON] == FINISH_ERROR for v in values)
 
     async def _generate(self, row_id: int, prompt: list[int]) -> dict:
         cfg = self.config
@@ -165,24 +188,24 @@ class InferenceService:
             self._requests.pop(row_id, None)
         self.stats.tokens += len(output)
         return {
-            cols.RESPONSE_IDS: [torch.tensor(output, dtype=torch.int64)],
-            cols.ROLLOUT_LOGPROBS: [torch.tensor(logprobs, dtype=torch.float32)],
-            cols.TOKEN_VERSIONS: [torch.tensor(versions, dtype=torch.int64)],
-            cols.FINISH_REASON: [finish],
-            cols.TRUNCATED: torch.tensor([finish == FINISH_LENGTH]),
-            cols.ERROR: [""],
+            cols.RESPONSE_IDS: torch.tensor(output, dtype=torch.int64),
+            cols.ROLLOUT_LOGPROBS: torch.tensor(logprobs, dtype=torch.float32),
+            cols.TOKEN_VERSIONS: torch.tensor(versions, dtype=torch.int64),
+            cols.FINISH_REASON: finish,
+            cols.TRUNCATED: finish == FINISH_LENGTH,
+            cols.ERROR: "",
         }
 
     @staticmethod
     def _error_columns(reason: str) -> dict:
         empty = torch.zeros(0, dtype=torch.int64)
         return {
-            cols.RESPONSE_IDS: [empty],
-            cols.ROLLOUT_LOGPROBS: [torch.zeros(0)],
-            cols.TOKEN_VERSIONS: [empty],
-            cols.FINISH_REASON: [FINISH_ERROR],
-            cols.TRUNCATED: torch.tensor([False]),
-            cols.ERROR: [reason],
+            cols.RESPONSE_IDS: empty,
+            cols.ROLLOUT_LOGPROBS: torch.zeros(0),
+            cols.TOKEN_VERSIONS: empty,
+            cols.FINISH_REASON: FINISH_ERROR,
+            cols.TRUNCATED: False,
+            cols.ERROR: reason,
         }
 
     async def _watch_weights(self, stop: asyncio.Event) -> None:

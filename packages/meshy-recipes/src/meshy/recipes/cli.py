@@ -1,19 +1,31 @@
 """The `meshy` command line."""
 
 import argparse
+import sys
+
+from meshy.dataplane import SchemaError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshy", description="Meshy: asynchronous RL for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a recipe (default: the embedded CPU demo) with one torchrun")
+    run.add_argument("recipe", nargs="?", help="a recipe TOML file (default: the embedded default)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
     demo = commands.add_parser("demo", help="run the data-plane demo (rollout, inference, two trainer ranks)")
     demo.add_argument("--steps", type=int, default=5, help="weight versions to train (default 5)")
     args = parser.parse_args(argv)
-    if args.command == "demo":
+    try:
+        if args.command == "run":
+            from meshy.recipes.run import run as run_recipe
+
+            return run_recipe(args.recipe, args.resume)
         from meshy.dataplane.demo import main as demo_main
 
         return demo_main(["--steps", str(args.steps)])
-    raise AssertionError(f"unhandled command {args.command}")
+    except SchemaError as e:
+        print(f"meshy: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -56,8 +56,11 @@ def local_device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_process_group(timeout_s: float = 600.0) -> None:
-    """Join the training role's process group from torchrun-style env (RANK, WORLD_SIZE, MASTER_*)."""
+def init_process_group(
+    timeout_s: float = 600.0, store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None
+) -> None:
+    """Join the training role's process group: from torchrun-style env (RANK, WORLD_SIZE, MASTER_*), or
+    from a store shared with the role's other processes (given with this process's rank and their count)."""
     if dist.is_initialized():
         return
     if cpu.on_cpu():
@@ -66,7 +69,11 @@ def init_process_group(timeout_s: float = 600.0) -> None:
         torch.cuda.set_device(local_device())
     # Autograd's worker threads cannot see the mesh stack torchtitan keeps per thread (for AC).
     torch.autograd.set_multithreading_enabled(False)
-    dist.init_process_group("gloo" if cpu.on_cpu() else "nccl", timeout=timedelta(seconds=timeout_s))
+    backend, timeout = "gloo" if cpu.on_cpu() else "nccl", timedelta(seconds=timeout_s)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
 
 
 def build_model(arch: DecoderArch, config: ParallelConfig, seed: int = 0) -> tuple[torch.nn.Module, ParallelDims]:

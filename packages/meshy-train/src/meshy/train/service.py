@@ -35,7 +35,8 @@ class TrainServiceConfig:
     """table/task: where rows come from. groups_per_rank: whole groups each rank trains per version.
     minibatches: optimizer steps per version (the version's rows split evenly). max_staleness: newest
     version minus a token's version beyond which the token is not trained (None: no limit).
-    checkpoint_every: versions between checkpoints (0: never). critic_warmup_versions: the first versions
+    checkpoint_every: versions between checkpoints (0: never). report_reward: also lease the `reward`
+    column and report the mean reward of the rows trained. critic_warmup_versions: the first versions
     only the critic learns (JustRL II): their rows are acked as dropped ("critic warm-up") and the
     unchanged weights are published again, so rollout pacing goes on."""
 
@@ -50,6 +51,7 @@ class TrainServiceConfig:
     kl_to_reference: bool = False
     checkpoint_every: int = 0
     critic_warmup_versions: int = 0
+    report_reward: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -65,6 +67,8 @@ class TrainServiceConfig:
     @property
     def columns(self) -> list[str]:
         names = [cols.PROMPT_IDS, cols.RESPONSE_IDS, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.ADVANTAGE]
+        if self.report_reward:
+            names.append(cols.REWARD)
         if self.distill:
             names += [cols.TEACHER_TOPK_IDS, cols.TEACHER_TOPK_LOGPROBS]
         if self.kl_to_reference:
@@ -153,13 +157,14 @@ class TrainingService:
             checkpoint.save(self.checkpoint_dir, self.version, self.trainer, {"version": self.version})
 
         max_staleness = 64
-        local = [len(rows), len(dropped), sum(float(mb.mask.sum()) for mb in minibatches)]
+        rewards = [float(r[cols.REWARD]) for r in rows] if cfg.report_reward else []
+        local = [len(rows), len(dropped), sum(float(mb.mask.sum()) for mb in minibatches), sum(rewards), len(rewards)]
         local += [staleness.get(s, 0) for s in range(max_staleness)] + [
             sum(v for s, v in staleness.items() if s >= max_staleness)
         ]
         total = _sum(local)
         global_tokens = total[2]
-        hist = {str(s): int(c) for s, c in enumerate(total[3 : 3 + max_staleness]) if c}
+        hist = {str(s): int(c) for s, c in enumerate(total[5 : 5 + max_staleness]) if c}
         if total[-1]:
             hist[f">={max_staleness}"] = int(total[-1])
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -174,6 +179,7 @@ class TrainingService:
             "tokens": int(global_tokens),
             "tokens_per_s": global_tokens / max(train_seconds, 1e-9),
             "staleness_histogram": hist,
+            "reward_mean": total[3] / total[4] if total[4] else None,
             "wait_s": waited,
             "train_s": train_seconds,
             "publish_s": publish_seconds,
@@ -244,6 +250,8 @@ class TrainingService:
             rows.append(
                 {"row": row_id, "prompt": c[cols.PROMPT_IDS][i], "response": response, "keep": keep, **per_token}
             )
+            if self.config.report_reward:
+                rows[-1][cols.REWARD] = c[cols.REWARD][i]
         return rows, dropped, staleness
 
     def _minibatches(self, rows: list[dict]) -> list[PolicyBatch]:

@@ -1,0 +1,332 @@
+"""A pure-torch decoder with the Hugging Face forward of LlamaForCausalLM, Qwen3ForCausalLM and
+Qwen3MoeForCausalLM, and a slot-based KV cache for batched decoding.
+
+Modules are named as in HF, so the state dict's keys are exactly the checkpoint's tensor names. Qwen3
+is Llama with RMSNorm over head_dim on q and k before RoPE; Qwen3-MoE replaces every MLP by a routed
+mixture of SwiGLU experts. RoPE is the default rotate-half kind (no scaling).
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane.fields import check_fields
+
+LLAMA = "LlamaForCausalLM"
+QWEN3 = "Qwen3ForCausalLM"
+QWEN3_MOE = "Qwen3MoeForCausalLM"
+ARCHITECTURES = (LLAMA, QWEN3, QWEN3_MOE)
+LM_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of an HF config.json the forward depends on."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise SchemaError(
+                f"config.json num_attention_heads: {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture != LLAMA
+
+    @property
+    def moe(self) -> bool:
+        return self.architecture == QWEN3_MOE
+
+    @classmethod
+    def from_hf(cls, config: Mapping) -> "ModelConfig":
+        architectures = config.get("architectures") or []
+        if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+            raise SchemaError(f"config.json architectures: expected one of {list(ARCHITECTURES)}, got {architectures}")
+        architecture = architectures[0]
+
+        def field(name: str):
+            if name not in config:
+                raise SchemaError(f"config.json: missing field {name!r} (needed by {architecture})")
+            return config[name]
+
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise SchemaError(f"config.json rope: only the default rope type is supported, got {rope}")
+        eos = config.get("eos_token_id")  # an id, a list of ids, or none
+        moe = {}
+        if architecture == QWEN3_MOE:
+            if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+                raise SchemaError("config.json decoder_sparse_step/mlp_only_layers: every layer must be a mixture")
+            moe = {
+                "num_experts": field("num_experts"),
+                "num_experts_per_tok": field("num_experts_per_tok"),
+                "moe_intermediate_size": field("moe_intermediate_size"),
+                "norm_topk_prob": config.get("norm_topk_prob", True),
+            }
+        return cls(
+            architecture=architecture,
+            hidden_size=field("hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            num_hidden_layers=field("num_hidden_layers"),
+            num_attention_heads=field("num_attention_heads"),
+            num_key_value_heads=config.get("num_key_value_heads") or field("num_attention_heads"),
+            head_dim=config.get("head_dim") or field("hidden_size") // field("num_attention_heads"),
+            vocab_size=field("vocab_size"),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            rms_norm_eps=field("rms_norm_eps"),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            eos_token_ids=tuple([] if eos is None else eos if isinstance(eos, list) else [eos]),
+            **moe,
+        )
+
+
+class KVCache:
+    """Keys and values of every slot, per layer [slots, kv_heads, max_len, head_dim]. Zero-filled:
+    positions past a slot's length are masked out, but a masked weight of 0 times NaN would still be NaN."""
+
+    def __init__(self, config: ModelConfig, slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (slots, config.num_key_value_heads, max_len, config.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+
+
+class _Causal:
+    """Whole sequences, no cache: each position attends to itself and the positions before it."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class _Prefill(_Causal):
+    """One sequence from position 0: causal attention over itself, keys and values stored in its slot."""
+
+    def __init__(self, cache: KVCache, slot: int):
+        self.cache, self.slot = cache, slot
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        length = k.shape[2]
+        self.cache.keys[layer][self.slot, :, :length] = k[0]
+        self.cache.values[layer][self.slot, :, :length] = v[0]
+        return super().attend(layer, q, k, v)
+
+
+class _Decode:
+    """One new token per slot at that slot's position; it attends to the slot's cache up to itself.
+    Attention spans the longest active length only."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, span: int):
+        self.cache, self.slots, self.positions, self.span = cache, slots, positions, span
+        visible = torch.arange(span, device=positions.device)[None, :] <= positions[:, None]
+        self.mask = visible[:, None, None, :]  # [batch, heads, query, key]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        keys[self.slots, :, self.positions] = k[:, :, 0]
+        values[self.slots, :, self.positions] = v[:, :, 0]
+        k_span, v_span = keys[self.slots, :, : self.span], values[self.slots, :, : self.span]
+        return F.scaled_dot_product_attention(q, k_span, v_span, attn_mask=self.mask, enable_gqa=True)
+
+
+_Step = _Causal | _Prefill | _Decode
+
+
+def _rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [batch, seq, 1, head_dim] in float32 (rotate-half layout: frequencies repeated)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions[..., None].float() * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    first, second = x32.chunk(2, dim=-1)
+    return (x32 * cos + torch.cat([-second, first], dim=-1) * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d, h = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(d, self.heads * h, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * h, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * h, bias=False)
+        self.o_proj = nn.Linear(self.heads * h, d, bias=False)
+        self.q_norm = nn.RMSNorm(h, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(h, eps=config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: _Step) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        out = step.attend(self.layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MixtureOfExperts(nn.Module):
+    """Router softmax in float32, top-k experts (renormalised when norm_topk_prob), weighted sum of
+    their outputs, as HF's Qwen3MoeSparseMoeBlock."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(tokens), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(tokens)
+        for expert in chosen.unique().tolist():
+            rows, rank = torch.where(chosen == expert)
+            out.index_add_(0, rows, self.experts[expert](tokens[rows]) * weights[rows, rank, None])
+        return out.view(x.shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MixtureOfExperts(config) if config.moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: _Step) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """The causal LM. Build it with `load_model`; its state-dict keys are the HF tensor names."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderBody(config)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Final-norm hidden states [batch, seq, hidden] of tokens at positions [batch, seq]."""
+        rope = _rope(positions, self.config.head_dim, self.config.rope_theta)
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, rope, step)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    def score_logits(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Float32 logits [batch, seq - 1 - start, vocab] predicting tokens[:, start + 1:]."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.logits(self.hidden(tokens, positions, _Causal())[:, start:-1])
+
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
+        """Store a sequence [seq] in `slot` of the cache; the float32 logits [vocab] after its last token."""
+        positions = torch.arange(tokens.shape[0], device=tokens.device)[None]
+        return self.logits(self.hidden(tokens[None], positions, _Prefill(cache, slot))[0, -1])
+
+    def decode(
+        self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per slot [batch] at its position [batch]: float32 logits [batch, vocab]. Every slot
+        must hold its first `position` tokens already."""
+        step = _Decode(cache, slots, positions, span=int(positions.max()) + 1)
+        return self.logits(self.hidden(tokens[:, None], positions[:, None], step)[:, 0])
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in (converted to the model's dtype and device). Every name and shape is
+        checked first, so a set that does not fit changes nothing."""
+        params = self.state_dict()
+        names = set(tensors)
+        if self.lm_head is None:
+            names.discard(LM_HEAD)  # some tied checkpoints store it anyway; HF ignores it too
+        arch = self.config.architecture
+        missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
+        if missing:
+            raise SchemaError(f"weights for {arch}: missing tensor {missing[0]} ({len(missing)} missing in all)")
+        if unexpected:
+            raise SchemaError(f"weights for {arch}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all)")
+        for name, param in params.items():
+            if tuple(tensors[name].shape) != tuple(param.shape):
+                raise SchemaError(
+                    f"weights for {arch}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(tensors[name])
+
+
+def load_model(
+    config: ModelConfig, tensors: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> DecoderModel:
+    """The model in inference mode on `device` in `dtype`, holding `tensors` (never randomly initialised)."""
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    model = model.to(dtype=dtype).to_empty(device=device).requires_grad_(False).eval()
+    model.load_weights(tensors)
+    return model

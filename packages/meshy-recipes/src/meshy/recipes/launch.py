@@ -1,0 +1,97 @@
+"""The per-rank entrypoint: `torchrun ... -m meshy.recipes.launch RECIPE` (what `meshy run` starts).
+
+Every rank loads the same recipe and computes the same topology; rank 0 also hosts the data plane
+and publishes its endpoints in torchrun's TCPStore. Each role process then joins its own role's
+process group (if the role has several processes) and runs its loop until the run is over. There is
+no driver: roles meet only on the data plane.
+"""
+
+import importlib
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshy.dataplane import DataPlaneClient, DataPlaneServer, Endpoints, secret_from_env
+from meshy.recipes.context import RoleContext, announce_stop, rollout_table
+from meshy.recipes.recipe import Recipe, load_recipe
+from meshy.recipes.topology import Slot, assign
+from meshy.train.parallel import init_process_group
+
+RUN_DIR_ENV = "MESHY_RUN_DIR"
+DONE_KEY = "meshy/done"
+
+
+def role_class(recipe: Recipe, slot: Slot) -> type:
+    builtin = {
+        "training": "meshy.recipes.roles.training:TrainingRole",
+        "inference": "meshy.recipes.roles.inference:InferenceRole",
+        "rollout": "meshy.recipes.roles.rollout:RolloutRole",
+        "critic": "meshy.recipes.roles.critic:CriticRole",
+        "teacher": "meshy.recipes.roles.teacher:TeacherRole",
+    }
+    path = builtin.get(slot.role) or next(c.cls for c in recipe.roles.custom if c.name == slot.role)
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def run_dir(recipe: Recipe) -> Path:
+    return Path(os.environ.get(RUN_DIR_ENV) or Path(recipe.run_dir) / recipe.name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    recipe = load_recipe(argv[0] if argv else None)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    slot = assign(recipe, world, gpus_per_node=torch.cuda.device_count())[rank]
+    directory = run_dir(recipe)
+    (directory / "logs").mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(seconds=600),
+    )
+    secret = secret_from_env()
+    server = None
+    if rank == 0:
+        with open(directory / "logs" / "dataplane.log", "ab") as log:  # the servers keep their own descriptor
+            server = DataPlaneServer.start(secret, recipe.dataplane, log=log)
+        server.publish(store)
+    client = DataPlaneClient(Endpoints.from_store(store), secret, recipe.dataplane, name=f"{slot.role}{slot.index}")
+    client.create_table(rollout_table(recipe))
+    if slot.count > 1:
+        init_process_group(
+            store=dist.PrefixStore(f"meshy/role/{slot.role}", store), rank=slot.index, world_size=slot.count
+        )
+    ctx = RoleContext(recipe, slot, directory, client)
+    failed = False
+    try:
+        cls = role_class(recipe, slot)
+        custom = next((c for c in recipe.roles.custom if c.name == slot.role), None)
+        role = cls(ctx, **custom.options) if custom is not None else cls(ctx)
+        role.run()
+    except BaseException:
+        failed = True
+        traceback.print_exc()
+        announce_stop(client, f"{slot.role} process {slot.index} failed")
+    finally:
+        store.add(DONE_KEY, 1)
+        if server is not None:
+            deadline = time.monotonic() + 120
+            while store.add(DONE_KEY, 0) < world and time.monotonic() < deadline:
+                time.sleep(0.2)
+        client.close()
+        if server is not None:
+            server.shutdown()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

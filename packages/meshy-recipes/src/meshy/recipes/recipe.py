@@ -1,0 +1,254 @@
+"""Recipes: one TOML file declares a whole run. Typed, and validated before any process starts.
+
+Every section is a frozen dataclass; loading fails with one error naming the field's full path
+(`recipe.algorithm.loss.clip_low: ...`) for an unknown field, a wrong type or an impossible topology.
+Sections reuse the components' own configs (LossConfig, OptimConfig, ParallelConfig, DataPlaneConfig).
+"""
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from meshy.dataplane import DataPlaneConfig, SchemaError
+from meshy.dataplane.fields import check_fields
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig
+from meshy.train.trainer import LossConfig, OptimConfig
+
+BUILTIN_ROLES = ("training", "inference", "rollout", "critic", "teacher")
+DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """processes: how many ranks run the role. devices_per_process: GPUs each uses (0: CPU)."""
+
+    processes: int = 1
+    devices_per_process: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.processes < 1 or self.devices_per_process < 0:
+            raise SchemaError(f"processes >= 1 and devices_per_process >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class CustomRoleSpec:
+    """A role the framework does not know: `cls` is an import path "package.module:Class"."""
+
+    name: str
+    cls: str
+    processes: int = 1
+    devices_per_process: int = 0
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.name in BUILTIN_ROLES or not self.name.isidentifier():
+            raise SchemaError(f"custom role name {self.name!r}: expected an identifier other than {BUILTIN_ROLES}")
+        if ":" not in self.cls:
+            raise SchemaError(f"custom role {self.name}: cls {self.cls!r} is not 'package.module:Class'")
+
+
+@dataclass(frozen=True)
+class RolesSpec:
+    training: RoleSpec = field(default_factory=RoleSpec)
+    inference: RoleSpec = field(default_factory=RoleSpec)
+    rollout: RoleSpec = field(default_factory=RoleSpec)
+    critic: RoleSpec | None = None
+    teacher: RoleSpec | None = None
+    custom: tuple[CustomRoleSpec, ...] = ()
+
+    def items(self) -> list[tuple[str, RoleSpec | CustomRoleSpec]]:
+        """Every role of the run, in rank order (training first: its rank 0 hosts the data plane)."""
+        builtin = [(name, getattr(self, name)) for name in BUILTIN_ROLES if getattr(self, name) is not None]
+        return builtin + [(c.name, c) for c in self.custom]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """name: a meshy.train model. init: "scratch" or an HF directory. overrides: architecture fields to
+    change (e.g. vocab_size for a task tokenizer). teacher: the teacher's HF directory (distillation)."""
+
+    name: str = "qwen3-tiny"
+    init: str = "scratch"
+    overrides: dict = field(default_factory=dict)
+    teacher: str | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self.arch()  # unknown model names and override fields fail here
+
+    def arch(self):
+        arch = get_model(self.name)
+        known = {f.name for f in dataclasses.fields(arch)}
+        unknown = sorted(set(self.overrides) - known)
+        if unknown:
+            raise SchemaError(f"overrides: unknown architecture fields {unknown}; expected some of {sorted(known)}")
+        return dataclasses.replace(arch, **self.overrides)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Import paths of the tokenizer factory, the problem stream (called with seed and options) and the
+    reward function (response text, ground truth -> float)."""
+
+    tokenizer: str = "meshy.recipes.tasks.arithmetic:tokenizer"
+    problems: str = "meshy.recipes.tasks.arithmetic:problems"
+    reward: str = "meshy.recipes.tasks.arithmetic:exact_match"
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("tokenizer", "problems", "reward"):
+            if ":" not in getattr(self, name):
+                raise SchemaError(f"{name}: {getattr(self, name)!r} is not 'package.module:name'")
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """kind: grpo (group baselines), ppo (a learned critic; needs a critic role) or distill (online
+    policy distillation; needs a teacher role). pacing: the window W of rollout ahead of training: 1 is
+    on-policy lock-step, k bounded off-policy, "none" fully asynchronous. prompts_per_step: groups per
+    weights version, over all training ranks."""
+
+    kind: Literal["grpo", "ppo", "distill"] = "grpo"
+    group_size: int = 8
+    prompts_per_step: int = 16
+    pacing: int | str = 1
+    max_staleness: int | None = None
+    minibatches: int = 1
+    scale_by_std: bool = True
+    dynamic_sampling: bool = False
+    critic_warmup_versions: int = 0
+    initial_value: float = 0.5
+    teacher_topk: int = 8
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    critic_optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.group_size < 1 or self.prompts_per_step < 1 or self.minibatches < 1:
+            raise SchemaError(f"group_size, prompts_per_step and minibatches must be >= 1: {self}")
+        if not (self.pacing == "none" or (isinstance(self.pacing, int) and self.pacing >= 1)):
+            raise SchemaError(f'pacing: expected an int >= 1 or "none", got {self.pacing!r}')
+
+    @property
+    def window(self) -> int | None:
+        return None if self.pacing == "none" else int(self.pacing)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_in_flight: int = 64
+    context_length: int = 512
+    engine: Literal["torch", "sglang"] = "torch"
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.max_new_tokens < 1 or self.max_in_flight < 1 or self.context_length <= self.max_new_tokens:
+            raise SchemaError(f"max_new_tokens, max_in_flight >= 1 and context_length > max_new_tokens: {self}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """steps: weights versions to train. colocate: groups of roles that share devices through a GPU
+    token ring (e.g. [["training", "inference"]]). publish: how weights reach inference."""
+
+    name: str
+    steps: int = 100
+    seed: int = 0
+    run_dir: str = "runs"
+    checkpoint_every: int = 0
+    publish: Literal["disk", "shared-memory"] = "disk"
+    colocate: tuple[tuple[str, ...], ...] = ()
+    model: ModelSpec = field(default_factory=ModelSpec)
+    task: TaskSpec = field(default_factory=TaskSpec)
+    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    roles: RolesSpec = field(default_factory=RolesSpec)
+    dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.steps < 1 or self.checkpoint_every < 0:
+            raise SchemaError(f"steps >= 1 and checkpoint_every >= 0, got {self.steps}, {self.checkpoint_every}")
+        roles = dict(self.roles.items())
+        kind = self.algorithm.kind
+        if kind == "ppo" and "critic" not in roles:
+            raise SchemaError('algorithm.kind: "ppo" trains a learned critic; add a [roles.critic] section')
+        if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
+            raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
+        if self.algorithm.prompts_per_step % self.roles.training.processes:
+            raise SchemaError(
+                f"algorithm.prompts_per_step: {self.algorithm.prompts_per_step} groups do not split evenly "
+                f"over {self.roles.training.processes} training processes"
+            )
+        seen = set()
+        for ring in self.colocate:
+            for role in ring:
+                if role not in roles:
+                    raise SchemaError(f"colocate: unknown role {role!r}; roles are {list(roles)}")
+                if role in seen:
+                    raise SchemaError(f"colocate: role {role!r} is in more than one ring")
+                seen.add(role)
+            sizes = {roles[r].processes for r in ring}
+            if len(ring) < 2 or len(sizes) != 1:
+                raise SchemaError(f"colocate: ring {list(ring)} needs >= 2 roles with equal process counts")
+
+    @property
+    def world_size(self) -> int:
+        return sum(spec.processes for _, spec in self.roles.items())
+
+
+def load_recipe(source: str | Path | None = None) -> Recipe:
+    """A recipe from a TOML file (None: the embedded default)."""
+    path = Path(source) if source is not None else DEFAULT_RECIPE
+    if not path.is_file():
+        raise SchemaError(f"recipe: no file {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SchemaError(f"recipe {path}: not valid TOML: {e}") from None
+    return build(Recipe, data, "recipe")
+
+
+def build(cls: type, data: Any, path: str) -> Any:
+    """Turn parsed TOML into the dataclass `cls`, checking every field, naming any error's full path."""
+    if not isinstance(data, dict):
+        raise SchemaError(f"{path}: expected a table, got {type(data).__name__} {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise SchemaError(f"{path}: unknown field {unknown[0]!r}; expected one of {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {name: _value(hints[name], value, f"{path}.{name}") for name, value in data.items()}
+    try:
+        return cls(**values)
+    except SchemaError as e:
+        raise SchemaError(f"{path}: {e}") from None
+
+
+def _value(annotation: Any, value: Any, path: str) -> Any:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        return build(annotation, value, path)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if dataclasses.is_dataclass(a)]
+        if inner and isinstance(value, dict):
+            return build(inner[0], value, path)
+        return value
+    if origin is tuple and isinstance(value, list):
+        item = args[0] if args else Any
+        return tuple(_value(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    return value

@@ -1,0 +1,79 @@
+"""The inference role: a generation engine behind the inference service, loading each new version."""
+
+import asyncio
+
+from meshy.dataplane.weights import WEIGHTS_STREAM, Published
+from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
+from meshy.recipes.context import RoleContext
+
+
+class InferenceRole:
+    def __init__(self, ctx: RoleContext):
+        self.ctx = ctx
+
+    def run(self) -> None:
+        self.ctx.watch_for_stop()
+        asyncio.run(self._serve())
+
+    def _first_weights(self) -> Published | None:
+        reader = self.ctx.client.reader(WEIGHTS_STREAM, f"inference-{self.ctx.slot.index}-start", start=1)
+        try:
+            while not self.ctx.stop.is_set():
+                messages = reader.read(max_n=1024, timeout=1.0)
+                if messages:
+                    return Published.from_message(messages[-1].payload)
+            return None
+        finally:
+            reader.close()
+
+    def _engine(self, published: Published):
+        sampling = self.ctx.recipe.sampling
+        if sampling.engine == "sglang":
+            from meshy.infer.sglang_engine import SGLangEngine
+
+            return SGLangEngine(published, max_running=sampling.max_in_flight, context_length=sampling.context_length)
+        from meshy.infer.torch_engine import TorchEngine
+
+        return TorchEngine(
+            published, max_running=sampling.max_in_flight, max_len=sampling.context_length, device=self.ctx.slot.device
+        )
+
+    async def _serve(self) -> None:
+        ctx, sampling = self.ctx, self.ctx.recipe.sampling
+        published = await asyncio.to_thread(self._first_weights)
+        if published is None:
+            return
+        engine = self._engine(published)
+        config = InferenceServiceConfig(
+            table=ctx.table,
+            max_in_flight=sampling.max_in_flight,
+            max_new_tokens=sampling.max_new_tokens,
+            context_length=sampling.context_length,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=ctx.recipe.seed * 1000 + ctx.slot.index,
+        )
+        service = InferenceService(ctx.client, engine, config)
+        stop = asyncio.Event()
+
+        async def bridge() -> None:
+            while not ctx.stop.is_set():
+                await asyncio.sleep(0.2)
+            stop.set()
+
+        bridging = asyncio.create_task(bridge())
+        try:
+            stats = await service.run(stop)
+        finally:
+            bridging.cancel()
+            await engine.close()
+        ctx.record(
+            "inference",
+            rows=stats.rows,
+            errors=stats.errors,
+            tokens=stats.tokens,
+            weight_updates=stats.weight_updates,
+            continued=stats.continued,
+            versions=stats.versions,
+        )

@@ -1,0 +1,134 @@
+"""The rollout role: writes prompts (paced by weights versions), scores responses, computes advantages.
+
+Pacing: after the trainer has published g versions (v0 included), rollout may have written at most
+(g - 1 + W) batches, a batch being prompts_per_step groups of group_size rows. W = 1 is on-policy
+lock-step, W = k lets rollout run k - 1 versions ahead, W = "none" is bounded only by `FREE_BATCHES`
+batches in flight.
+
+Rewards are per row; advantages need whole groups (GRPO: the group's mean, optionally its std).
+"""
+
+import importlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from meshy.dataplane import rollout as cols
+from meshy.dataplane.weights import WEIGHTS_STREAM
+from meshy.recipes.context import GROUND_TRUTH, RoleContext
+from meshy.train.advantages import grpo_advantages
+
+FREE_BATCHES = 8  # how far ahead a fully asynchronous rollout may run
+
+
+def import_object(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class RolloutRole:
+    def __init__(self, ctx: RoleContext):
+        self.ctx = ctx
+        recipe = ctx.recipe
+        self.tokenizer = import_object(recipe.task.tokenizer)()
+        self.reward_fn: Callable[[str, str], float] = import_object(recipe.task.reward)
+        seed = recipe.seed * 1000 + ctx.slot.index
+        self.problems: Iterator = import_object(recipe.task.problems)(seed, **recipe.task.options)
+        self.rows_written = 0
+
+    def run(self) -> None:
+        self.ctx.watch_for_stop()
+        workers = [
+            threading.Thread(target=self._guarded(f), name=f"meshy-{f.__name__}", daemon=True)
+            for f in (self.produce, self.score, self.advantages)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    def _guarded(self, loop: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                loop()
+            except Exception:
+                self.ctx.stop.set()  # one loop failing ends the role; the launcher reports it
+                raise
+
+        return run
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def produce(self) -> None:
+        ctx, algo = self.ctx, self.ctx.recipe.algorithm
+        slot = ctx.slot
+        weights = ctx.client.reader(WEIGHTS_STREAM, f"rollout-{slot.index}-pacing", start=1)
+        batch = 0
+        while not ctx.stop.is_set():
+            weights.read(max_n=1024)
+            published = weights.audit.next_expected - 1  # versions announced so far (v0 included)
+            ahead = algo.window if algo.window is not None else FREE_BATCHES
+            if published == 0 or batch >= published - 1 + ahead:
+                weights.read(max_n=1024, timeout=0.5)  # wait for the next version
+                continue
+            self._write_batch(batch)
+            ctx.record("batch", batch=batch, weights_published=published, rows=self.rows_written)
+            batch += 1
+
+    def _write_batch(self, batch: int) -> None:
+        algo, slot = self.ctx.recipe.algorithm, self.ctx.slot
+        per_process = algo.prompts_per_step // slot.count
+        rows, groups, prompts, truths = [], [], [], []
+        for p in range(per_process):
+            group = (batch * algo.prompts_per_step) + slot.index * per_process + p
+            problem = next(self.problems)
+            ids = torch.tensor(self.tokenizer.encode(problem.prompt), dtype=torch.int64)
+            for k in range(algo.group_size):
+                rows.append(group * algo.group_size + k)
+                groups.append(group)
+                prompts.append(ids)
+                truths.append(problem.answer)
+        self.ctx.client.put(self.ctx.table, rows, {cols.PROMPT_IDS: prompts, GROUND_TRUTH: truths}, group_ids=groups)
+        self.rows_written += len(rows)
+
+    # ---- rewards ------------------------------------------------------------------------------
+    def score(self) -> None:
+        client, table = self.ctx.client, self.ctx.table
+        eos = self.tokenizer.eos_token_id
+        while not self.ctx.stop.is_set():
+            batch = client.lease(
+                table, "reward", [cols.RESPONSE_IDS, GROUND_TRUTH], count=256, min_count=1, timeout=0.5
+            )
+            if batch is None:
+                continue
+            rewards = []
+            for response, truth in zip(batch.columns[cols.RESPONSE_IDS], batch.columns[GROUND_TRUTH], strict=True):
+                ids = response.tolist()
+                text = self.tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids)
+                rewards.append(float(self.reward_fn(text, truth)))
+            client.add_columns(table, batch.row_ids, {cols.REWARD: torch.tensor(rewards)}, ack=batch)
+
+    # ---- advantages ---------------------------------------------------------------------------
+    def advantages(self) -> None:
+        client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
+        while not self.ctx.stop.is_set():
+            batch = client.lease(
+                table,
+                "advantage",
+                [cols.REWARD, cols.RESPONSE_IDS],
+                count=64,
+                min_count=1,
+                whole_groups=True,
+                timeout=0.5,
+            )
+            if batch is None:
+                continue
+            rewards = batch.columns[cols.REWARD].view(-1, algo.group_size)
+            advantage = grpo_advantages(rewards, scale_by_std=algo.scale_by_std).view(-1)
+            per_token = [
+                torch.full((len(r),), float(a))
+                for r, a in zip(batch.columns[cols.RESPONSE_IDS], advantage, strict=True)
+            ]
+            client.add_columns(table, batch.row_ids, {cols.ADVANTAGE: per_token}, ack=batch)
+            self.ctx.record("advantage", groups=len(batch) // algo.group_size, reward_mean=float(rewards.mean()))

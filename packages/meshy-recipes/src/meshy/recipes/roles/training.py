@@ -1,0 +1,90 @@
+"""The training role: the policy trainer service, from the first weights version to the last."""
+
+import shutil
+
+import torch.distributed as dist
+
+from meshy.dataplane.weights import WEIGHTS_STREAM
+from meshy.recipes.context import TRAIN_TASK, RoleContext, announce_stop
+from meshy.recipes.progress import Progress
+from meshy.train import checkpoint
+from meshy.train.parallel import build_model
+from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher
+from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
+from meshy.train.trainer import PolicyTrainer
+
+
+class TrainingRole:
+    def __init__(self, ctx: RoleContext):
+        self.ctx = ctx
+        recipe, algo = ctx.recipe, ctx.recipe.algorithm
+        self.arch = recipe.model.arch()
+        model, _ = build_model(self.arch, algo.parallel, seed=recipe.seed)
+        self.trainer = PolicyTrainer(model, algo.optim, algo.loss)
+        dtype = "float32" if ctx.slot.device == "cpu" else "bfloat16"
+        if recipe.publish == "shared-memory":
+            publisher = SharedMemoryPublisher(f"meshy-{ctx.run_dir.name}", self.arch, ctx.client, dtype=dtype)
+        else:
+            publisher = DirectoryPublisher(ctx.run_dir / "weights", self.arch, ctx.client, dtype=dtype)
+        self.publisher = publisher
+        config = TrainServiceConfig(
+            table=ctx.table,
+            task=TRAIN_TASK,
+            groups_per_rank=algo.prompts_per_step // ctx.slot.count,
+            minibatches=algo.minibatches,
+            max_staleness=algo.max_staleness,
+            distill=algo.kind == "distill",
+            checkpoint_every=recipe.checkpoint_every,
+            critic_warmup_versions=algo.critic_warmup_versions,
+            report_reward=True,
+        )
+        self.service = TrainingService(
+            ctx.client,
+            self.trainer,
+            publisher,
+            config,
+            metrics=MetricsLog(ctx.run_dir / "metrics.jsonl"),
+            checkpoint_dir=ctx.run_dir / "checkpoints",
+        )
+        self.lead = ctx.slot.index == 0
+
+    def run(self) -> None:
+        ctx, steps = self.ctx, self.ctx.recipe.steps
+        resumed = checkpoint.latest(ctx.run_dir / "checkpoints")
+        if resumed is not None:
+            self.service.version = checkpoint.load(resumed, self.trainer)["version"]
+        else:
+            self.service.publish_initial()
+        progress = Progress(ctx.run_dir, steps) if self.lead else None
+        try:
+            while self.service.version < steps:
+                record = self.service.train_version()
+                if progress is not None:
+                    progress.step(record)
+                    ctx.record("version", version=record["version"], reward_mean=record.get("reward_mean"))
+        finally:
+            self.service.close()
+        if self.lead:
+            curve = progress.close()
+            final = self._keep_final_weights()
+            announce_stop(ctx.client, f"trained {steps} versions")
+            print(
+                f"run directory: {ctx.run_dir}\n  final weights (HF): {final}\n  reward curve: {curve}\n"
+                f"  metrics: {ctx.run_dir / 'metrics.jsonl'} and {ctx.run_dir / 'tensorboard'}",
+                flush=True,
+            )
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _keep_final_weights(self):
+        final = self.ctx.run_dir / "final_weights"
+        last = self.ctx.run_dir / "weights" / f"v{self.service.version:06d}"
+        if isinstance(self.publisher, DirectoryPublisher) and last.is_dir():
+            shutil.copytree(last, final, dirs_exist_ok=True)
+        else:  # shared-memory versions vanish with the run: write the last one to disk
+            DirectoryPublisher(self.ctx.run_dir / "final", self.arch, None, dtype="float32").publish(
+                self.trainer.model, self.service.version
+            )
+            final = self.ctx.run_dir / "final" / f"v{self.service.version:06d}"
+        self.ctx.record("final", path=str(final), stream=WEIGHTS_STREAM)
+        return final

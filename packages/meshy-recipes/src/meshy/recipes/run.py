@@ -1,0 +1,48 @@
+"""`meshy run`: validate a recipe, make its run directory, start exactly one torchrun."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane.security import SECRET_ENV
+from meshy.dataplane.server import new_secret
+from meshy.recipes.launch import RUN_DIR_ENV
+from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
+
+RECIPE_FILE = "recipe.toml"
+
+
+def run(recipe_path: str | None, resume: str | None = None) -> int:
+    if resume is not None:
+        directory = Path(resume)
+        saved = directory / RECIPE_FILE
+        if not saved.is_file():
+            raise SchemaError(f"--resume {directory}: not a run directory (no {RECIPE_FILE})")
+        recipe = load_recipe(saved)
+    else:
+        source = Path(recipe_path) if recipe_path else DEFAULT_RECIPE
+        recipe = load_recipe(source)  # every error surfaces here, before any process starts
+        directory = Path(recipe.run_dir) / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        directory.mkdir(parents=True)
+        shutil.copy(source, directory / RECIPE_FILE)
+    print(
+        f"meshy: {recipe.name}: {recipe.world_size} processes "
+        f"({', '.join(f'{n} x{s.processes}' for n, s in recipe.roles.items())}), run directory {directory}",
+        flush=True,
+    )
+    env = {**os.environ, SECRET_ENV: new_secret().hex(), RUN_DIR_ENV: str(directory.resolve())}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={recipe.world_size}",
+        "-m",
+        "meshy.recipes.launch",
+        str((directory / RECIPE_FILE).resolve()),
+    ]
+    return subprocess.run(command, env=env).returncode

@@ -1,0 +1,278 @@
+"""Conformance cases every Engine passes, whatever runs behind it.
+
+A test module subclasses EngineConformance (pytest collects the cases from the subclass) and provides
+two fixtures: `engine`, a fresh engine closed after the test (closing twice must be a no-op), and
+`engine_spec`, an EngineSpec. The model should have sharp enough distributions that greedy output
+varies from token to token and does not end in EOS within max_len for the prompts below.
+The probe idiom: a one-token generation sent after a request returns only once that request was
+admitted (admission is first come, first served), so that request has produced at least one token.
+"""
+
+import asyncio
+import functools
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, SamplingParams, WeightsSource
+
+TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the cases need to know about the engine under test: its vocabulary, its max_len, and a
+    second weights version (with other outputs) to update to."""
+
+    vocab_size: int
+    max_len: int
+    new_version: int
+    new_weights: WeightsSource
+
+
+def async_case(case):
+    """Runs a coroutine test in its own event loop (pytest still sees the fixtures it names)."""
+
+    @functools.wraps(case)
+    def run(*args, **kwargs):
+        return asyncio.run(case(*args, **kwargs))
+
+    return run
+
+
+def greedy(max_new_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens, temperature=0.0, **kwargs)
+
+
+def prompt(seed: int, length: int = 6, vocab_size: int = 512) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab_size) for _ in range(length)]
+
+
+async def probe(engine: Engine) -> None:
+    """Returns once every generate task created before it was admitted (first come, first served)."""
+    for _ in range(10):  # let those tasks run up to their submission
+        await asyncio.sleep(0)
+    await engine.generate("probe", prompt(999), greedy(1))
+
+
+async def timed_generate(engine: Engine, request_id: str, input_ids: list[int], params: SamplingParams):
+    """The generation and how long it took, so waits that prove a stall can scale with the machine."""
+    start = time.perf_counter()
+    result = await engine.generate(request_id, input_ids, params)
+    return result, time.perf_counter() - start
+
+
+async def stalls(task: asyncio.Task, seconds: float) -> bool:
+    """True if the task is still not done after `seconds` (at least 0.3)."""
+    await asyncio.sleep(max(seconds, 0.3))
+    return not task.done()
+
+
+def full_logprobs(scores, vocab_size: int) -> torch.Tensor:
+    """[positions, vocab] from a score with top_k = vocab_size."""
+    out = torch.empty(len(scores.topk_ids), vocab_size, dtype=torch.float64)
+    out.scatter_(1, torch.tensor(scores.topk_ids), torch.tensor(scores.topk_logprobs, dtype=torch.float64))
+    return out
+
+
+class EngineConformance:
+    @async_case
+    async def test_greedy_is_deterministic(self, engine, engine_spec):
+        ids = prompt(1, vocab_size=engine_spec.vocab_size)
+        first = await engine.generate("a", ids, greedy(12))
+        second = await engine.generate("b", ids, greedy(12))
+        assert first.output_ids == second.output_ids and first.logprobs == second.logprobs
+        assert len(set(first.output_ids)) > 1, "the test model should not repeat one token"
+        assert (first.finish_reason, first.prompt_length, first.request_id) == (FINISH_LENGTH, len(ids), "a")
+        assert first.token_versions == [engine.weight_version] * 12
+        assert all(lp <= 0 for lp in first.logprobs)
+
+    @async_case
+    async def test_same_seed_same_tokens_other_seed_other_tokens(self, engine, engine_spec):
+        ids = prompt(2, vocab_size=engine_spec.vocab_size)
+        runs = [await engine.generate(f"r{seed}", ids, SamplingParams(16, seed=seed)) for seed in (7, 7, 8)]
+        assert runs[0].output_ids == runs[1].output_ids
+        assert runs[0].logprobs == pytest.approx(runs[1].logprobs, abs=TOLERANCE)
+        assert runs[0].output_ids != runs[2].output_ids
+
+    @async_case
+    async def test_batched_results_equal_single_results(self, engine, engine_spec):
+        params = [
+            greedy(10 + i) if i % 2 else SamplingParams(10 + i, temperature=0.8, top_k=20, top_p=0.9, seed=i)
+            for i in range(10)
+        ]
+        prompts = [prompt(10 + i, length=3 + i, vocab_size=engine_spec.vocab_size) for i in range(10)]
+        alone = [await engine.generate(f"alone{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
+
+        async def staggered(i: int):
+            await asyncio.sleep(0.004 * i)
+            return await engine.generate(f"batched{i}", prompts[i], params[i])
+
+        batched = await asyncio.gather(*(staggered(i) for i in range(10)))
+        for one, many in zip(alone, batched, strict=True):
+            assert many.output_ids == one.output_ids and many.finish_reason == one.finish_reason
+            assert many.logprobs == pytest.approx(one.logprobs, abs=TOLERANCE)
+
+    @async_case
+    async def test_stop_token_ends_with_stop_and_is_included(self, engine, engine_spec):
+        ids = prompt(3, vocab_size=engine_spec.vocab_size)
+        reference = await engine.generate("ref", ids, greedy(20))
+        k = max(i for i, token in enumerate(reference.output_ids) if token not in reference.output_ids[:i])
+        assert k > 0
+        stopped = await engine.generate("stop", ids, greedy(20, stop_token_ids=(reference.output_ids[k],)))
+        assert stopped.finish_reason == FINISH_STOP
+        assert stopped.output_ids == reference.output_ids[: k + 1]
+        assert len(stopped.logprobs) == len(stopped.token_versions) == k + 1
+
+    @async_case
+    async def test_max_new_tokens_ends_with_length(self, engine, engine_spec):
+        ids = prompt(4, vocab_size=engine_spec.vocab_size)
+        five = await engine.generate("five", ids, greedy(5))
+        assert (len(five.output_ids), len(five.logprobs), five.finish_reason) == (5, 5, FINISH_LENGTH)
+        none = await engine.generate("none", ids, greedy(0))
+        assert (none.output_ids, none.logprobs, none.token_versions, none.finish_reason) == ([], [], [], FINISH_LENGTH)
+        full = await engine.generate("full", ids, greedy(engine_spec.max_len - len(ids)))
+        assert len(full.output_ids) == engine_spec.max_len - len(ids)
+
+    @async_case
+    async def test_abort_returns_the_partial_output(self, engine, engine_spec):
+        ids = prompt(5, vocab_size=engine_spec.vocab_size)
+        budget = engine_spec.max_len - len(ids)
+        reference = await engine.generate("ref", ids, greedy(budget))
+        task = asyncio.create_task(engine.generate("long", ids, greedy(budget)))
+        await probe(engine)
+        await engine.abort("long")
+        aborted = await task
+        assert aborted.finish_reason == FINISH_ABORT
+        assert 1 <= len(aborted.output_ids) < budget
+        assert aborted.output_ids == reference.output_ids[: len(aborted.output_ids)]
+        await engine.abort("long")  # finished: a no-op
+        await engine.abort("never-seen")
+        assert (await engine.generate("after", ids, greedy(3))).output_ids == reference.output_ids[:3]
+
+    @async_case
+    async def test_pause_stops_progress_and_resume_continues(self, engine, engine_spec):
+        ids, later_ids = prompt(6, vocab_size=engine_spec.vocab_size), prompt(7, vocab_size=engine_spec.vocab_size)
+        budget = engine_spec.max_len - len(ids)
+        reference, seconds = await timed_generate(engine, "ref", ids, greedy(budget))
+        later_reference = await engine.generate("later-ref", later_ids, greedy(8))
+        running = asyncio.create_task(engine.generate("running", ids, greedy(budget)))
+        await probe(engine)
+        await engine.pause()
+        later = asyncio.create_task(engine.generate("later", later_ids, greedy(8)))
+        assert await stalls(running, 2 * seconds) and not later.done()
+        await engine.resume()
+        assert (await running).output_ids == reference.output_ids
+        assert (await later).output_ids == later_reference.output_ids
+
+    @async_case
+    async def test_weight_update_mid_generation_keeps_each_tokens_version(self, engine, engine_spec):
+        ids = prompt(8, vocab_size=engine_spec.vocab_size)
+        budget = engine_spec.max_len - len(ids)
+        old_version = engine.weight_version
+        reference = await engine.generate("ref", ids, greedy(budget))
+        task = asyncio.create_task(engine.generate("long", ids, greedy(budget)))
+        await probe(engine)
+        await engine.pause()  # no tokens between here and the update: both versions must appear
+        await engine.update_weights(engine_spec.new_version, engine_spec.new_weights)
+        assert engine.weight_version == engine_spec.new_version
+        await engine.resume()
+        result = await task
+        switch = result.token_versions.index(engine_spec.new_version)
+        assert result.token_versions == [old_version] * switch + [engine_spec.new_version] * (budget - switch)
+        assert 0 < switch < budget
+        assert result.finish_reason == FINISH_LENGTH and len(result.output_ids) == len(result.logprobs) == budget
+        assert result.output_ids[:switch] == reference.output_ids[:switch]
+        fresh = await engine.generate("fresh", ids, greedy(budget))
+        assert fresh.output_ids != reference.output_ids
+        assert fresh.token_versions == [engine_spec.new_version] * budget
+
+    @async_case
+    async def test_generation_logprobs_equal_score_logprobs(self, engine, engine_spec):
+        ids = prompt(9, vocab_size=engine_spec.vocab_size)
+        for name, params in [("greedy", greedy(16)), ("sampled", SamplingParams(16, seed=3))]:
+            result = await engine.generate(name, ids, params)
+            scores = await engine.score(ids + result.output_ids, top_k=4, start=len(ids) - 1)
+            assert scores.token_logprobs == pytest.approx(result.logprobs, abs=TOLERANCE), name
+            assert len(scores.topk_ids) == len(scores.topk_logprobs) == len(result.output_ids)
+            assert all(row == sorted(row, reverse=True) for row in scores.topk_logprobs)
+            if name == "greedy":
+                assert [row[0] for row in scores.topk_ids] == result.output_ids
+        plain = await engine.score([*ids, 5, 6])
+        assert len(plain.token_logprobs) == len(ids) + 1 and plain.topk_ids == plain.topk_logprobs == []
+
+    @async_case
+    async def test_logprobs_are_taken_at_the_temperature_before_truncation(self, engine, engine_spec):
+        ids, temperature = prompt(10, vocab_size=engine_spec.vocab_size), 0.6
+        result = await engine.generate("t", ids, SamplingParams(12, temperature=temperature, top_k=5, seed=1))
+        scores = await engine.score(ids + result.output_ids, top_k=engine_spec.vocab_size, start=len(ids) - 1)
+        tempered = torch.log_softmax(full_logprobs(scores, engine_spec.vocab_size) / temperature, dim=-1)
+        expected = tempered.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0].tolist()
+        assert result.logprobs == pytest.approx(expected, abs=TOLERANCE)
+
+    @async_case
+    async def test_top_k_and_top_p_never_sample_outside_their_set(self, engine, engine_spec):
+        ids, vocab = prompt(11, vocab_size=engine_spec.vocab_size), engine_spec.vocab_size
+        for seed in range(3):
+            top_k = await engine.generate(f"k{seed}", ids, SamplingParams(24, top_k=3, seed=seed))
+            scores = await engine.score(ids + top_k.output_ids, top_k=3, start=len(ids) - 1)
+            assert all(t in row for t, row in zip(top_k.output_ids, scores.topk_ids, strict=True))
+            top_p = await engine.generate(f"p{seed}", ids, SamplingParams(24, top_p=0.5, seed=seed))
+            scores = await engine.score(ids + top_p.output_ids, top_k=vocab, start=len(ids) - 1)
+            probs = full_logprobs(scores, vocab).exp()
+            for position, token in enumerate(top_p.output_ids):
+                mass_above = probs[position][probs[position] > probs[position, token]].sum().item()
+                assert mass_above < 0.5, f"token {token} at {position} is outside the 0.5 nucleus"
+
+    @async_case
+    async def test_bad_inputs_raise_clear_errors(self, engine, engine_spec):
+        vocab, max_len = engine_spec.vocab_size, engine_spec.max_len
+        with pytest.raises(ValueError, match="input_ids.*empty"):
+            await engine.generate("e", [], greedy(2))
+        with pytest.raises(ValueError, match=rf"input_ids.*vocabulary.*{vocab}"):
+            await engine.generate("v", [1, vocab], greedy(2))
+        with pytest.raises(ValueError, match="input_ids.*vocabulary"):
+            await engine.generate("n", [-1, 4], greedy(2))
+        with pytest.raises(ValueError, match=f"max_new_tokens.*max_len.*{max_len}"):
+            await engine.generate("l", [5] * 10, greedy(max_len - 9))
+        with pytest.raises(ValueError, match="input_ids"):
+            await engine.score([3, vocab + 7])
+        task = asyncio.create_task(engine.generate("dup", prompt(12, vocab_size=vocab), greedy(max_len - 6)))
+        await probe(engine)
+        with pytest.raises(ValueError, match="request_id 'dup'.*running"):
+            await engine.generate("dup", [5, 6], greedy(2))
+        await engine.abort("dup")
+        assert (await task).finish_reason == FINISH_ABORT
+        assert (await engine.generate("dup", [5, 6], greedy(2))).finish_reason == FINISH_LENGTH
+
+    @async_case
+    async def test_release_waits_for_onload_and_keeps_requests(self, engine, engine_spec):
+        ids, later_ids = prompt(13, vocab_size=engine_spec.vocab_size), prompt(14, vocab_size=engine_spec.vocab_size)
+        budget = engine_spec.max_len - len(ids)
+        reference, seconds = await timed_generate(engine, "ref", ids, greedy(budget))
+        later_reference = await engine.generate("later-ref", later_ids, greedy(5))
+        scored = await engine.score(ids + reference.output_ids)
+        running = asyncio.create_task(engine.generate("running", ids, greedy(budget)))
+        await probe(engine)
+        await engine.release()
+        later = asyncio.create_task(engine.generate("later", later_ids, greedy(5)))
+        scoring = asyncio.create_task(engine.score(ids + reference.output_ids))
+        assert await stalls(running, 2 * seconds) and not later.done() and not scoring.done()
+        await engine.onload()
+        assert (await running).output_ids == reference.output_ids
+        assert (await later).output_ids == later_reference.output_ids
+        assert (await scoring).token_logprobs == pytest.approx(scored.token_logprobs, abs=TOLERANCE)
+
+    @async_case
+    async def test_close_ends_pending_generations_as_aborted(self, engine, engine_spec):
+        ids = prompt(15, vocab_size=engine_spec.vocab_size)
+        task = asyncio.create_task(engine.generate("long", ids, greedy(engine_spec.max_len - len(ids))))
+        await probe(engine)
+        await engine.close()
+        result = await task
+        assert result.finish_reason == FINISH_ABORT
+        assert len(result.output_ids) == len(result.logprobs) == len(result.token_versions) >= 1

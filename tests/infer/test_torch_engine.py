@@ -1,0 +1,252 @@
+import asyncio
+import warnings
+
+import pytest
+import torch
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane.weights import CorruptWeights, read_published
+from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from meshy.infer.torch_engine import EngineClosed, TorchEngine
+from meshy.infer.torch_model import ModelConfig, load_model
+from meshy.train.logprobs import forward_logits, token_logprobs
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher, hf_tensors
+from tests.infer.conformance import EngineConformance, EngineSpec, async_case, greedy, prompt
+
+ARCH = get_model("qwen3-tiny")
+MAX_LEN = 96
+
+
+def sharp_weights(seed: int) -> dict[str, torch.Tensor]:
+    """qwen3-tiny's HF tensors with every matrix scaled 8x: freshly initialised weights give nearly
+    uniform next-token distributions, and greedy decoding of tied embeddings repeats its input token."""
+    model, _ = build_model(ARCH, ParallelConfig(), seed=seed)
+    return {name: t * 8 if t.ndim == 2 else t for name, t in hf_tensors(model, ARCH, torch.float32)}
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return ARCH.hf_config("float32"), sharp_weights(0), sharp_weights(1)
+
+
+@pytest.fixture
+def engine(weights):
+    config, first, _ = weights
+    engine = TorchEngine((config, first), max_running=4, max_len=MAX_LEN, version=1)
+    yield engine
+    asyncio.run(engine.close())
+
+
+@pytest.fixture
+def engine_spec(weights):
+    return EngineSpec(vocab_size=ARCH.vocab_size, max_len=MAX_LEN, new_version=2, new_weights=weights[2])
+
+
+class TestTorchEngineConformance(EngineConformance):
+    pass
+
+
+async def scores(engine: TorchEngine, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([(await engine.score(row.tolist())).token_logprobs for row in tokens])
+
+
+def publish(tmp_path, name: str, seed: int, version: int = 1, **kwargs):
+    arch = get_model(name)
+    model, _ = build_model(arch, ParallelConfig(), seed=seed)
+    return model, DirectoryPublisher(tmp_path, arch, dtype="float32", **kwargs).publish(model, version)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "minicpm5-tiny"])
+@async_case
+async def test_score_matches_the_trainers_logprobs(name, tmp_path):
+    model, published = publish(tmp_path, name, seed=3)
+    engine = TorchEngine(published)
+    tokens = torch.randint(0, 512, (3, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = token_logprobs(forward_logits(model, tokens), tokens)
+    assert engine.weight_version == published.version == 1
+    assert (await scores(engine, tokens) - expected).abs().max().item() <= 1e-5
+    await engine.close()
+
+
+@async_case
+async def test_moe_matches_transformers(tmp_path):
+    # Compared with HF rather than the trainer: torchtitan's MoE (its own router, grouped-GEMM experts)
+    # differs from HF's Qwen3MoeSparseMoeBlock by ~3e-4 in these logits; this engine follows HF.
+    from transformers import AutoModelForCausalLM
+
+    _, published = publish(tmp_path, "qwen3-tiny-moe", seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(published.location, dtype=torch.float32)
+    tokens = torch.randint(0, 512, (3, 25), generator=torch.Generator().manual_seed(1))
+    engine = TorchEngine(published)
+    config, tensors = read_published(published)
+    with torch.no_grad():
+        theirs = hf(tokens[:, :-1]).logits.float()
+        ours = load_model(ModelConfig.from_hf(config), tensors, torch.device("cpu"), torch.float32).score_logits(tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    expected = token_logprobs(theirs, tokens)
+    assert (await scores(engine, tokens) - expected).abs().max().item() <= 1e-5
+    await engine.close()
+
+
+@async_case
+async def test_every_source_loads_the_same_model(tmp_path, unique):
+    arch = get_model("minicpm5-tiny")
+    model, _ = build_model(arch, ParallelConfig(), seed=5)
+    sharded = DirectoryPublisher(tmp_path, arch, dtype="float32", max_shard_bytes=100_000).publish(model, 1)
+    assert (tmp_path / "v000001" / "model.safetensors.index.json").exists()
+    publisher = SharedMemoryPublisher(unique("meshy-test"), arch, dtype="float32")
+    shared = publisher.publish(model, 2)
+    in_memory = (arch.hf_config("float32"), dict(hf_tensors(model, arch, torch.float32)))
+    tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = token_logprobs(forward_logits(model, tokens), tokens)
+    engines = [TorchEngine(sharded), TorchEngine(shared), TorchEngine(sharded.location), TorchEngine(in_memory)]
+    assert [e.weight_version for e in engines] == [1, 2, 0, 0]
+    for engine in engines:
+        assert (await scores(engine, tokens) - expected).abs().max().item() <= 1e-5
+    other, _ = build_model(arch, ParallelConfig(), seed=6)
+    await engines[0].update_weights(3, publisher.publish(other, 3))
+    with torch.no_grad():
+        expected_other = token_logprobs(forward_logits(other, tokens), tokens)
+    assert engines[0].weight_version == 3
+    assert (await scores(engines[0], tokens) - expected_other).abs().max().item() <= 1e-5
+    publisher.close()
+    for engine in engines:
+        await engine.close()
+
+
+@async_case
+async def test_a_corrupt_or_mismatched_version_leaves_the_old_weights(tmp_path):
+    _, first = publish(tmp_path, "qwen3-tiny", seed=7, version=1, keep=3)
+    _, second = publish(tmp_path, "qwen3-tiny", seed=8, version=2, keep=3)
+    _, moe = publish(tmp_path / "moe", "qwen3-tiny-moe", seed=9, version=3)
+    engine = TorchEngine(first)
+    tokens = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    before = await scores(engine, tokens)
+    shard = tmp_path / "v000002" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptWeights, match="v2 .*checksum mismatch"):
+        await engine.update_weights(2, second)
+    with pytest.raises(SchemaError, match="version: 4 given for published version 3"):
+        await engine.update_weights(4, moe)
+    with pytest.raises(SchemaError, match="v3: config.json describes another model"):
+        await engine.update_weights(3, moe)
+    assert engine.weight_version == 1
+    assert torch.equal(await scores(engine, tokens), before)
+    await engine.close()
+
+
+def test_weights_that_do_not_fit_name_the_tensor(weights):
+    config, tensors, _ = weights
+    layer = "model.layers.1.mlp.up_proj.weight"
+    missing = {k: v for k, v in tensors.items() if k != layer}
+    with pytest.raises(SchemaError, match=f"missing tensor {layer}"):
+        TorchEngine((config, missing))
+    with pytest.raises(SchemaError, match="unexpected tensor model.layers.7.mlp.up_proj.weight"):
+        TorchEngine((config, {**tensors, "model.layers.7.mlp.up_proj.weight": tensors[layer]}))
+    with pytest.raises(SchemaError, match=rf"tensor {layer} has shape \(128, 63\), expected \(128, 64\)"):
+        TorchEngine((config, {**tensors, layer: tensors[layer][:, :63]}))
+    with pytest.raises(SchemaError, match="architectures: expected one of"):
+        TorchEngine(({**config, "architectures": ["GPT2LMHeadModel"]}, tensors))
+    with pytest.raises(SchemaError, match="missing field 'rms_norm_eps'"):
+        TorchEngine(({k: v for k, v in config.items() if k != "rms_norm_eps"}, tensors))
+    with pytest.raises(SchemaError, match="max_len"):
+        TorchEngine((config, tensors), max_len=1)
+
+    @async_case
+    async def update_with_a_misshapen_tensor():
+        engine = TorchEngine((config, tensors), version=1)
+        ids = prompt(20)
+        before = await engine.generate("a", ids, greedy(6))
+        with pytest.raises(SchemaError, match=layer):
+            await engine.update_weights(2, {**tensors, layer: tensors[layer].T})
+        after = await engine.generate("b", ids, greedy(6))
+        assert engine.weight_version == 1 and after.output_ids == before.output_ids
+        await engine.close()
+
+    update_with_a_misshapen_tensor()
+
+
+@async_case
+async def test_eos_from_the_config_stops_int_or_list(weights):
+    config, tensors, _ = weights
+    engine = TorchEngine(({**config, "eos_token_id": None}, tensors))
+    ids = prompt(21)
+    reference = await engine.generate("ref", ids, greedy(20))
+    await engine.close()
+    assert reference.finish_reason == FINISH_LENGTH
+    k = max(i for i, token in enumerate(reference.output_ids) if token not in reference.output_ids[:i])
+    for eos in (reference.output_ids[k], [0, reference.output_ids[k]]):
+        engine = TorchEngine(({**config, "eos_token_id": eos}, tensors))
+        stopped = await engine.generate("eos", ids, greedy(20))
+        assert stopped.finish_reason == FINISH_STOP and stopped.output_ids == reference.output_ids[: k + 1]
+        await engine.close()
+
+
+@async_case
+async def test_requests_wait_for_a_slot_and_a_cancelled_generate_frees_its_own(weights):
+    config, tensors, _ = weights
+    engine = TorchEngine((config, tensors), max_running=1, max_len=1024)
+    with pytest.raises(TimeoutError):  # 1000 tokens take seconds; it is cancelled after 0.05
+        await asyncio.wait_for(engine.generate("hog", prompt(22), greedy(1000)), timeout=0.05)
+    alone = await asyncio.wait_for(engine.generate("next", prompt(23), SamplingParams(5, seed=1)), timeout=30)
+    queued = await asyncio.gather(*(engine.generate(f"q{i}", prompt(23), SamplingParams(5, seed=1)) for i in range(3)))
+    assert all(q.output_ids == alone.output_ids for q in queued)
+    await engine.close()
+    await engine.close()
+    with pytest.raises(EngineClosed):
+        await engine.generate("closed", prompt(24), greedy(2))
+
+
+@async_case
+async def test_bfloat16_runs_close_to_float32(weights):
+    config, tensors, _ = weights
+    full, half = TorchEngine((config, tensors)), TorchEngine((config, tensors), dtype="bfloat16")
+    tokens = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(5))
+    assert 0 < (await scores(half, tokens) - await scores(full, tokens)).abs().max().item() <= 0.25
+    result = await half.generate("a", prompt(29), greedy(8))
+    assert len(result.output_ids) == len(result.logprobs) >= 1
+    for engine in (full, half):
+        await engine.close()
+
+
+@async_case
+async def test_a_failing_worker_fails_pending_calls_instead_of_hanging(weights, monkeypatch):
+    config, tensors, _ = weights
+    engine = TorchEngine((config, tensors), max_len=MAX_LEN)
+    await engine.generate("warm", prompt(26), greedy(2))
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine._scheduler.model, "decode", broken)
+    with pytest.raises(EngineClosed, match="worker failed: RuntimeError\\('device lost'\\)"):
+        await asyncio.wait_for(engine.generate("a", prompt(27), greedy(5)), timeout=30)
+    with pytest.raises(EngineClosed, match="device lost"):
+        await engine.score(prompt(28))
+    await asyncio.wait_for(engine.close(), timeout=30)
+
+
+@pytest.mark.gpu
+@async_case
+async def test_cuda_engine_matches_cpu_and_release_frees_the_device(weights):
+    config, tensors, _ = weights
+    cpu, gpu = TorchEngine((config, tensors)), TorchEngine((config, tensors), device="cuda")
+    tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(4))
+    assert (await scores(gpu, tokens) - await scores(cpu, tokens)).abs().max().item() <= 1e-4
+    reference = await cpu.generate("a", prompt(25), greedy(MAX_LEN))
+    running = asyncio.create_task(gpu.generate("a", prompt(25), greedy(MAX_LEN)))
+    held = torch.cuda.memory_allocated()
+    await gpu.release()
+    assert torch.cuda.memory_allocated() < held / 10
+    await gpu.onload()
+    assert (await running).output_ids == reference.output_ids
+    for engine in (cpu, gpu):
+        await engine.close()
