@@ -267,3 +267,24 @@ def test_100k_messages_leave_the_stream_bounded(client, unique, dataplane):
 def test_payloads_must_be_serialisable(client, unique):
     with pytest.raises(SchemaError, match="payload is not msgpack-serialisable"):
         client.append(unique("s"), object())
+
+
+def test_a_new_thread_whose_first_call_allocates_storage_keys_does_not_deadlock(client, unique):
+    import threading
+
+    t = make_table(client, unique).name
+    errors = []
+
+    def put(base: int) -> None:
+        try:  # a fresh thread: no socket yet, and more rows than the client's free keys
+            client.put(t, list(range(base, base + 300)), {"reward": torch.zeros(300)})
+        except Exception as e:
+            errors.append(e)
+
+    workers = [threading.Thread(target=put, args=(i * 1000,)) for i in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=20)
+    assert not any(worker.is_alive() for worker in workers), "a put deadlocked"
+    assert errors == [] and client.table_stats(t)["rows"] == 900

@@ -275,12 +275,16 @@ class DataPlaneClient:
             raise
 
     def _take_keys(self, table: str, n: int) -> list[int]:
-        with self._lock:
-            free = self._free_keys.setdefault(table, [])
-            if len(free) < n:
-                free += self._call("alloc", {"table": table, "n": max(n - len(free), self.config.alloc_block)})
-            keys, self._free_keys[table] = free[:n], free[n:]
-        return keys
+        while True:
+            with self._lock:
+                free = self._free_keys.setdefault(table, [])
+                if len(free) >= n:
+                    keys, self._free_keys[table] = free[:n], free[n:]
+                    return keys
+                missing = n - len(free)
+            # Never call the controller while holding the lock: a thread's first call takes it too.
+            allocated = self._call("alloc", {"table": table, "n": max(missing, self.config.alloc_block)})
+            self._return_keys(table, allocated)
 
     def _return_keys(self, table: str, keys: list[int]) -> None:
         with self._lock:

@@ -95,6 +95,9 @@ class InferenceService:
         writer = asyncio.create_task(self._write_finished())
         try:
             while not stop.is_set() and (max_rows is None or self.stats.rows < max_rows):
+                for helper in (watcher, writer):  # a helper that died takes the service down, loudly
+                    if helper.done():
+                        helper.result()
                 free = self.config.max_in_flight - len(self._in_flight)
                 if free <= 0:
                     await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)

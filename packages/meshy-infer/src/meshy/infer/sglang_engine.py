@@ -1,0 +1,723 @@
+"""SGLangEngine: the Engine interface on an in-process SGLang 0.5.23 engine (the production engine).
+
+SGLang runs its scheduler and detokenizer as child processes and its TokenizerManager in this process,
+as coroutines bound to the event loop they first run on. So every call into SGLang runs on one event loop
+of our own, on a thread of its own (`_LoopThread`): the public coroutines post there and await the result,
+callers may use any loop (or a fresh one per call), and the caller's loop never runs SGLang's work.
+
+Each `generate` is one SGLang request with its own rid. Its output carries the logprob of every sampled
+token (temperature applied, before top-k/top-p truncation, as the trainer computes it) and the spans of
+weight versions SGLang records, expanded here to one version per token. Pause, weight updates and release
+all hold generation the same way, with SGLang's pause_generation: in "retract" mode running requests go
+back to SGLang's queue and their KV cache is recomputed when generation continues (so every token after a
+weight update comes from the new weights); in "abort" mode they end and are resubmitted here, their output
+so far appended to the prompt, once generation continues. Requests that arrive while generation is held
+wait.
+
+What SGLang cannot do here, and what happens instead:
+- Seeds: SGLang honours a seed only with enable_deterministic_inference (`deterministic=True`), which
+  needs a GPU attention backend (fa3, fa4, flashinfer, triton) and samples with a Triton kernel. Without
+  it a request's seed is ignored, and a warning says so once.
+- release/onload on CPU: SGLang's release_memory_occupation calls torch.cuda.synchronize and kills the
+  scheduler, so on CPU `release` holds generation and scoring until `onload` and frees nothing. On a GPU
+  it needs `colocate=True` (SGLang's memory saver, with a host copy of the weights).
+- `score` waits while generation is held (SGLang gates every request on its pause), not only while
+  released.
+- A crashed SGLang child process ends this process too (SGLang's SIGQUIT handling).
+"""
+
+import asyncio
+import atexit
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import random
+import threading
+import time
+from collections.abc import Coroutine, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane.weights import (
+    DISK,
+    SHARED_MEMORY,
+    CorruptWeights,
+    Published,
+    combine_digests,
+    read_published,
+    tensor_digest,
+)
+from meshy.infer.engine import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    Generation,
+    SamplingParams,
+    Scores,
+    WeightsSource,
+)
+from meshy.infer.torch_engine import EngineClosed
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("retract", "abort")
+_FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+# config.json keys that may differ between versions of one model.
+_CONFIG_KEYS_NOT_COMPARED = frozenset({"torch_dtype", "dtype", "transformers_version", "_name_or_path"})
+_CLOSE_TIMEOUT_S = 60.0
+# SGLang caps a request at context_length - 2 tokens and a prompt at context_length - 6: started with this
+# much more than max_len, every prompt + output of up to max_len tokens fits and max_len is the only limit.
+_CONTEXT_SLACK = 6
+
+
+class SGLangError(RuntimeError):
+    """SGLang refused or failed an operation; its own message is included."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An HF checkpoint directory: its config.json and its tensors' shapes."""
+
+    directory: Path
+    config: dict
+    shapes: dict[str, tuple[int, ...]]
+
+
+def _shards(directory: Path) -> list[Path]:
+    shards = sorted(directory.glob("*.safetensors"))
+    if not (directory / "config.json").is_file() or not shards:
+        raise SchemaError(f"model source {directory}: expected config.json and *.safetensors in a directory")
+    return shards
+
+
+def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
+    """A checkpoint's config and shapes, from the safetensors headers (no tensor is read)."""
+    directory = Path(directory)
+    shapes = {}
+    for shard in _shards(directory):
+        with safe_open(shard, "pt") as tensors:
+            shapes.update({name: tuple(tensors.get_slice(name).get_shape()) for name in tensors.keys()})  # noqa: SIM118
+    return Checkpoint(directory, json.loads((directory / "config.json").read_text()), shapes)
+
+
+def verify_published(published: Published) -> Checkpoint:
+    """A published directory's checkpoint, after checking its tensors against the announced checksum.
+    Reads one tensor at a time (read_published would hold the whole model in host memory)."""
+    directory = Path(published.location)
+    if not directory.is_dir():
+        raise CorruptWeights(f"weights v{published.version}: no directory {directory}")
+    digests, shapes = {}, {}
+    for shard in _shards(directory):
+        try:
+            with safe_open(shard, "pt") as tensors:
+                for name in tensors.keys():  # noqa: SIM118
+                    tensor = tensors.get_tensor(name)
+                    digests[name], shapes[name] = tensor_digest(tensor), tuple(tensor.shape)
+        except Exception as e:  # safetensors raises its own error types for truncated or bad files
+            raise CorruptWeights(f"weights v{published.version}: {shard.name} is unreadable: {e}") from None
+    if combine_digests(digests) != published.checksum:
+        raise CorruptWeights(f"weights v{published.version} at {directory}: checksum mismatch")
+    return Checkpoint(directory, json.loads((directory / "config.json").read_text()), shapes)
+
+
+def _model_identity(config: Mapping) -> dict:
+    return {k: v for k, v in config.items() if k not in _CONFIG_KEYS_NOT_COMPARED}
+
+
+def _check_tensor_shapes(version: int, shapes: Mapping[str, tuple[int, ...]], expected: Mapping) -> None:
+    """A weights version must name exactly the engine's tensors, in their shapes: SGLang would load a
+    partial or misshapen version halfway before failing."""
+    if missing := sorted(expected.keys() - shapes.keys()):
+        raise SchemaError(f"weights v{version}: missing tensor {missing[0]}")
+    if unexpected := sorted(shapes.keys() - expected.keys()):
+        raise SchemaError(f"weights v{version}: unexpected tensor {unexpected[0]}")
+    if misshapen := [name for name in sorted(shapes) if tuple(shapes[name]) != tuple(expected[name])]:
+        name = misshapen[0]
+        raise SchemaError(
+            f"weights v{version}: tensor {name} has shape {tuple(shapes[name])}, expected {expected[name]}"
+        )
+
+
+def _flattened_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict]:
+    """The tensors as SGLang's flattened buckets: one byte tensor and its metadata per <= bucket_bytes."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket, size = [], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            flat = FlattenedTensorBucket(named_tensors=bucket)
+            yield {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += nbytes
+    flat = FlattenedTensorBucket(named_tensors=bucket)
+    yield {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+
+
+def _import_sglang(device: str) -> Any:
+    """sglang, imported here rather than at module load (it is an optional extra). SGLang decides at
+    import time whether it runs on CPU, from SGLANG_USE_CPU_ENGINE."""
+    if device == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    import sglang
+    from sglang.srt.utils import is_cpu
+
+    if device == "cpu" and not is_cpu():
+        raise SchemaError(
+            "SGLangEngine device 'cpu': sglang was imported before SGLANG_USE_CPU_ENGINE=1 was set "
+            "(or this host CPU is not x86-64 or arm64); set it before sglang is first imported"
+        )
+    return sglang
+
+
+class _LoopThread:
+    """An event loop running on a thread of its own, for every call into SGLang's TokenizerManager."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    async def run(self, coroutine: Coroutine) -> Any:
+        """Runs the coroutine on this loop; awaitable from any other loop (cancelling the wait cancels it)."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
+
+    def stop(self) -> None:
+        """Cancels what still runs on the loop (SGLang's own receive loops), then stops and closes it."""
+
+        async def cancel_the_rest() -> None:
+            rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_the_rest(), self.loop).result(timeout=_CLOSE_TIMEOUT_S)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+@dataclass(eq=False)
+class _Request:
+    """One `generate` call; it may span several SGLang requests (abort-mode pauses resubmit it)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    rid: str | None = None  # the SGLang request now running for it
+    aborted: bool = False  # by abort() or close()
+    interrupted: bool = False  # ended by an abort-mode pause: continue from its output once resumed
+
+    def result(self, finish_reason: str) -> Generation:
+        return Generation(self.request_id, self.output, self.logprobs, self.versions, finish_reason, len(self.prompt))
+
+
+def _versions_per_token(spans: list[dict], count: int) -> list[int]:
+    """SGLang's weight_versions spans [{version, start, end}] as one int version per output token."""
+    versions = [int(span["version"]) for span in spans for _ in range(span["start"], span["end"])]
+    if len(versions) != count:
+        raise SGLangError(f"weight_versions spans {spans} do not cover the {count} output tokens")
+    return versions
+
+
+class SGLangEngine(Engine):
+    """An Engine on an in-process sglang.Engine (see the module docstring for what it can and cannot do).
+
+    source: a Published hf-safetensors version (its checksum is verified first) or an HF checkpoint
+    directory; `version` is its weights version (by default a Published's own, else 0). `max_len` is the
+    context length (prompt + output). `pause_mode`: "retract" or "abort" (see the module docstring).
+    `deterministic`: honour seeds (SGLang's deterministic inference; GPU only). `colocate`: enable
+    `release`/`onload` on a GPU (SGLang's memory saver; weights backed up in host memory).
+    `bucket_bytes`: the size of the flattened buckets in-memory weights are sent to SGLang in. Other
+    keyword arguments are passed to sglang.Engine as they are (mem_fraction_static, max_running_requests,
+    disable_radix_cache, tp_size, ...). Starting takes 20-40 s; construct it off a running event loop.
+    """
+
+    def __init__(
+        self,
+        source: Published | str | os.PathLike,
+        *,
+        version: int | None = None,
+        device: str = "cuda",
+        dtype: str = "bfloat16",
+        max_len: int = 4096,
+        pause_mode: str = "retract",
+        deterministic: bool = False,
+        colocate: bool = False,
+        seed: int = 0,
+        bucket_bytes: int = 1 << 30,
+        stream_interval: int = 1,
+        **server_args: Any,
+    ):
+        if max_len < 2:
+            raise SchemaError(f"SGLangEngine max_len: expected >= 2 tokens, got {max_len}")
+        if device == "cpu" and (deterministic or colocate):
+            raise SchemaError(
+                "SGLangEngine on CPU: deterministic=True needs a GPU attention backend and SGLang's Triton "
+                "sampler; colocate=True needs SGLang's CUDA memory saver"
+            )
+        if isinstance(source, Published):
+            if source.format != DISK:
+                raise SchemaError(
+                    f"SGLangEngine source: a {source.format} version cannot start an engine; start from a "
+                    f"{DISK} version or a directory, then update_weights"
+                )
+            checkpoint = verify_published(source)
+            version = source.version if version is None else version
+        else:
+            checkpoint = read_checkpoint(source)
+            version = 0 if version is None else version
+        self.config = checkpoint.config
+        self.vocab_size = int(self.config["vocab_size"])
+        self.max_len = max_len
+        self._shapes = checkpoint.shapes
+        self._version = version
+        self._on_gpu = device != "cpu"
+        self._colocate = colocate
+        self.pause_mode = pause_mode
+        self._deterministic = deterministic
+        self._bucket_bytes = bucket_bytes
+        self._stream_interval = stream_interval
+        self._seed_warned = False
+
+        sglang = _import_sglang(device)
+        args = {
+            "model_path": str(checkpoint.directory),
+            "device": device,
+            "dtype": dtype,
+            "context_length": max_len + _CONTEXT_SLACK,
+            "random_seed": seed,
+            "skip_tokenizer_init": True,
+            "weight_version": str(version),
+            "enable_deterministic_inference": deterministic,
+            "enable_memory_saver": colocate,
+            "enable_weights_cpu_backup": colocate,
+            "log_level": "error",
+        }
+        if device == "cpu":
+            args["attention_backend"] = "torch_native"
+        self._sglang = sglang.Engine(**{**args, **server_args})
+        # SGLang's own shutdown kills every child of this process, not only its own: ours kills its own.
+        atexit.unregister(self._sglang.shutdown)
+        atexit.register(self._stop_sglang_processes)
+        self._tokenizer_manager = self._sglang.tokenizer_manager
+
+        self._loop = _LoopThread("meshy-sglang")
+        self._requests: dict[str, _Request] = {}  # request_id -> its running `generate`
+        self._generations: set[asyncio.Task] = set()
+        self._submissions = 0  # numbers SGLang rids; a rid is never a prefix of another (SGLang aborts by prefix)
+        self._holds: set[str] = set()  # why generation is held: "pause", "update", "release"
+        self._gate = asyncio.Condition()  # notified when holds or closing change (used on the loop only)
+        self._control = asyncio.Lock()  # one pause/resume/update/release/onload at a time
+        self._released = False
+        self._closing = False  # set on the loop: no new SGLang request from now on
+        self._close_started = False
+        self._closed = threading.Event()
+        self._close_lock = threading.Lock()
+        asyncio.run_coroutine_threadsafe(self._start_receiving(), self._loop.loop).result()
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def pause_mode(self) -> str:
+        """How generation is held: "retract" or "abort" (may change whenever; the next hold uses it)."""
+        return self._pause_mode
+
+    @pause_mode.setter
+    def pause_mode(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise SchemaError(f"SGLangEngine pause_mode: expected one of {PAUSE_MODES}, got {mode!r}")
+        self._pause_mode = mode
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` was called."""
+        return self._close_started
+
+    # ---- the public coroutines (checks here, SGLang calls on the loop) ----
+
+    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
+        self._check_ids(input_ids)
+        total = len(input_ids) + params.max_new_tokens
+        if total > self.max_len:
+            raise SchemaError(
+                f"input_ids + max_new_tokens: {len(input_ids)} + {params.max_new_tokens} = {total} tokens, "
+                f"beyond the engine's max_len of {self.max_len}"
+            )
+        if params.seed is not None and not self._deterministic and not self._seed_warned:
+            self._seed_warned = True
+            log.warning("SGLangEngine without deterministic=True ignores SamplingParams.seed")
+        return await self._run(self._generate_on_loop(request_id, list(input_ids), params))
+
+    async def score(self, input_ids: list[int], top_k: int = 0, start: int = 0) -> Scores:
+        self._check_ids(input_ids)
+        if not 0 <= top_k <= self.vocab_size:
+            raise SchemaError(f"score top_k: expected 0..{self.vocab_size}, got {top_k}")
+        if not 0 <= start < len(input_ids):
+            raise SchemaError(f"score start: expected a position in 0..{len(input_ids) - 1}, got {start}")
+        if len(input_ids) > self.max_len:
+            raise SchemaError(
+                f"score input_ids: {len(input_ids)} tokens, beyond the engine's max_len of {self.max_len}"
+            )
+        return await self._run(self._score_on_loop(list(input_ids), top_k, start))
+
+    async def abort(self, request_id: str) -> None:
+        await self._run(self._abort_on_loop(request_id))
+
+    async def pause(self) -> None:
+        await self._run(self._set_hold_on_loop("pause", True))
+
+    async def resume(self) -> None:
+        await self._run(self._set_hold_on_loop("pause", False))
+
+    async def update_weights(self, version: int, source: WeightsSource) -> None:
+        """A Published is verified (and its config compared with the engine's) before SGLang sees it; a
+        directory is then loaded by SGLang from disk, tensors are sent in flattened buckets. A corrupt or
+        mismatched version raises and leaves the engine on its current weights."""
+        if isinstance(source, Published):
+            if source.version != version:
+                raise SchemaError(f"update_weights version: {version} given for published version {source.version}")
+            if source.format == DISK:
+                checkpoint = await asyncio.to_thread(verify_published, source)
+                self._check_model(version, checkpoint.config, checkpoint.shapes)
+                await self._run(self._update_from_disk_on_loop(version, checkpoint.directory))
+                return
+            if source.format != SHARED_MEMORY:
+                raise SchemaError(f"weights v{version}: format {source.format!r} is not {DISK} or {SHARED_MEMORY}")
+            config, source = await asyncio.to_thread(read_published, source)
+            self._check_model(version, config, {name: tuple(t.shape) for name, t in source.items()})
+        else:
+            _check_tensor_shapes(version, {name: tuple(t.shape) for name, t in source.items()}, self._shapes)
+        if self._released and self._on_gpu:
+            raise SGLangError(f"weights v{version}: the engine is released; onload() before update_weights")
+        await self._run(self._update_from_tensors_on_loop(version, source))
+
+    async def release(self) -> None:
+        if self._on_gpu and not self._colocate:
+            raise SGLangError("SGLangEngine.release needs colocate=True (SGLang's memory saver) at start")
+        await self._run(self._release_on_loop())
+
+    async def onload(self) -> None:
+        await self._run(self._onload_on_loop())
+
+    async def close(self) -> None:
+        """Pending generations end as aborted; later calls raise EngineClosed. Closing twice is a no-op.
+        Only SGLang's own child processes are stopped."""
+        with self._close_lock:
+            first, self._close_started = not self._close_started, True
+        if not first:
+            await asyncio.to_thread(self._closed.wait)
+            return
+        try:
+            await self._loop.run(self._close_on_loop())
+        finally:
+            await asyncio.to_thread(self._stop)
+
+    # ---- on the loop ----
+
+    async def _start_receiving(self) -> None:
+        self._tokenizer_manager.auto_create_handle_loop()  # SGLang's receive loop, on this loop
+
+    async def _generate_on_loop(self, request_id: str, prompt: list[int], params: SamplingParams) -> Generation:
+        if request_id in self._requests:
+            raise SchemaError(f"request_id {request_id!r}: a request with this id is already running")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        request = self._requests[request_id] = _Request(request_id, prompt, params, seed)
+        self._generations.add(asyncio.current_task())
+        try:
+            while True:
+                await self._admitted(request)
+                if request.aborted or self._closing:
+                    return request.result(FINISH_ABORT)
+                finish = await self._submit(request)
+                if finish != FINISH_ABORT or not request.interrupted or request.aborted or self._closing:
+                    return request.result(finish)
+                request.interrupted = False  # an abort-mode pause ended it: continue once resumed
+                if len(request.output) == params.max_new_tokens:
+                    return request.result(FINISH_LENGTH)
+        finally:
+            del self._requests[request_id]
+            self._generations.discard(asyncio.current_task())
+
+    async def _submit(self, request: _Request) -> str:
+        """One SGLang request for what is left of `request`; appends its output, returns its finish reason."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        params = request.params
+        sampling = {
+            "max_new_tokens": params.max_new_tokens - len(request.output),
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k or -1,
+            "stop_token_ids": list(params.stop_token_ids),
+            "stream_interval": self._stream_interval,
+        }
+        if self._deterministic:
+            sampling["sampling_seed"] = request.seed
+        request.rid = self._next_rid(request.request_id)
+        try:
+            out = await self._final_response(
+                GenerateReqInput(
+                    input_ids=request.prompt + request.output,
+                    sampling_params=sampling,
+                    return_logprob=True,
+                    rid=request.rid,
+                    stream=True,
+                )
+            )
+        finally:
+            request.rid = None
+        meta = out["meta_info"]
+        output_ids = list(out["output_ids"])
+        request.output += output_ids
+        request.logprobs += [logprob for logprob, _, _ in meta["output_token_logprobs"]]
+        request.versions += _versions_per_token(meta.get("weight_versions") or [], len(output_ids))
+        return _FINISH_REASONS[meta["finish_reason"]["type"]]
+
+    async def _score_on_loop(self, input_ids: list[int], top_k: int, start: int) -> Scores:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        while True:  # an abort-mode pause ends a scoring request too: score again once resumed
+            await self._admitted(None)
+            if self._closing:
+                raise EngineClosed("the engine was closed")
+            out = await self._final_response(
+                GenerateReqInput(
+                    input_ids=input_ids,
+                    sampling_params={"max_new_tokens": 0},
+                    return_logprob=True,
+                    logprob_start_len=start,
+                    top_logprobs_num=top_k,
+                    rid=self._next_rid("score"),
+                )
+            )
+            meta = out["meta_info"]
+            if meta["finish_reason"]["type"] != "abort":
+                break
+        # SGLang's first entry is the logprob of ids[start] (None at 0); Scores starts at ids[start + 1].
+        token_logprobs = [logprob for logprob, _, _ in meta["input_token_logprobs"][1:]]
+        if top_k == 0:
+            return Scores(token_logprobs)
+        rows = meta["input_top_logprobs"][1:]
+        return Scores(
+            token_logprobs,
+            [[token for _, token, _ in row] for row in rows],
+            [[logprob for logprob, _, _ in row] for row in rows],
+        )
+
+    async def _final_response(self, request: Any) -> dict:
+        responses = self._tokenizer_manager.generate_request(request, None)
+        try:
+            async for response in responses:
+                final = response
+        finally:
+            await responses.aclose()
+        return final
+
+    def _next_rid(self, name: str) -> str:
+        self._submissions += 1
+        return f"{self._submissions}/{name}"
+
+    async def _admitted(self, request: _Request | None) -> None:
+        """Returns once generation is not held (or the request was aborted, or the engine is closing)."""
+        async with self._gate:
+            await self._gate.wait_for(
+                lambda: not self._holds or self._closing or (request is not None and request.aborted)
+            )
+
+    async def _notify_gate(self) -> None:
+        async with self._gate:
+            self._gate.notify_all()
+
+    async def _abort_on_loop(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None or request.aborted:
+            return
+        request.aborted = True
+        if request.rid is not None:
+            self._tokenizer_manager.abort_request(rid=request.rid)
+        await self._notify_gate()
+
+    async def _hold(self, reason: str) -> None:
+        """Holds generation for `reason` (SGLang pauses when the first reason appears)."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        first = not self._holds
+        self._holds.add(reason)  # before pausing: requests arriving meanwhile wait here
+        if first:
+            if self._pause_mode == "abort":
+                for request in self._requests.values():
+                    request.interrupted = request.rid is not None
+            await self._tokenizer_manager.pause_generation(PauseGenerationReqInput(mode=self._pause_mode))
+
+    async def _unhold(self, reason: str) -> None:
+        """Lets go of `reason`; generation continues when no reason is left."""
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        if reason not in self._holds:
+            return
+        self._holds.discard(reason)
+        if not self._holds:
+            await self._tokenizer_manager.continue_generation(
+                ContinueGenerationReqInput(torch_empty_cache=self._on_gpu)
+            )
+            await self._notify_gate()
+
+    async def _set_hold_on_loop(self, reason: str, held: bool) -> None:
+        async with self._control:
+            await (self._hold(reason) if held else self._unhold(reason))
+
+    @contextlib.asynccontextmanager
+    async def _held_for_update(self):
+        """Generation held around a weight update, so it lands between decode steps (SGLang would
+        otherwise wait for every running request to finish)."""
+        async with self._control:
+            await self._hold("update")
+            try:
+                yield
+            finally:
+                await self._unhold("update")
+
+    async def _update_from_disk_on_loop(self, version: int, directory: Path) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        async with self._held_for_update():
+            request = UpdateWeightFromDiskReqInput(model_path=str(directory), weight_version=str(version))
+            success, message, _ = await self._tokenizer_manager.update_weights_from_disk(request, None)
+            if not success:
+                raise SGLangError(f"weights v{version} from {directory}: {message}")
+            self._version = version
+
+    async def _update_from_tensors_on_loop(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """In a weight-update session (SGLang 0.5.23 refuses tensor updates outside one), one call per
+        flattened bucket; the last one flushes the cache and sets the version."""
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            EndWeightUpdateReqInput,
+            UpdateWeightsFromTensorReqInput,
+        )
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        if any(tensor.is_cuda for tensor in tensors.values()):
+            # CUDA tensors travel as IPC handles keyed by device uuid. (The patch breaks sharing CPU
+            # tensors in this process, so only where there are CUDA tensors to send.)
+            monkey_patch_torch_reductions()
+        tp_size = self._sglang.server_args.tp_size
+        async with self._held_for_update():
+            success, message = await self._tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None)
+            if not success:
+                raise SGLangError(f"weights v{version}: begin_weight_update: {message}")
+            try:
+                buckets = list(_flattened_buckets(tensors, self._bucket_bytes))  # alive until SGLang loaded them
+                for i, bucket in enumerate(buckets):
+                    last = i == len(buckets) - 1
+                    payload = MultiprocessingSerializer.serialize(bucket)
+                    request = UpdateWeightsFromTensorReqInput(
+                        serialized_named_tensors=[payload] * tp_size,
+                        load_format="flattened_bucket",
+                        flush_cache=last,
+                        weight_version=str(version) if last else None,
+                    )
+                    success, message = await self._tokenizer_manager.update_weights_from_tensor(request, None)
+                    if not success:
+                        raise SGLangError(f"weights v{version} (bucket {i}; weights may be partly loaded): {message}")
+            finally:
+                ended, end_message = await self._tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None)
+            if not ended:
+                raise SGLangError(f"weights v{version}: end_weight_update: {end_message}")
+            self._version = version
+
+    async def _release_on_loop(self) -> None:
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        async with self._control:
+            if self._released:
+                return
+            await self._hold("release")
+            if self._on_gpu:
+                await self._tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
+            self._released = True
+
+    async def _onload_on_loop(self) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        async with self._control:
+            if not self._released:
+                return
+            if self._on_gpu:
+                await self._tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
+            self._released = False
+            await self._unhold("release")
+
+    async def _close_on_loop(self) -> None:
+        """Every generation ends as aborted with its output so far: the held ones are let go, the running
+        ones aborted in SGLang (again every half second, for requests SGLang had not yet queued)."""
+        self._closing = True
+        for request in self._requests.values():
+            request.aborted = True
+        await self._notify_gate()
+        deadline = asyncio.get_running_loop().time() + _CLOSE_TIMEOUT_S
+        while self._generations and asyncio.get_running_loop().time() < deadline:
+            self._tokenizer_manager.abort_request(abort_all=True)
+            await asyncio.wait(set(self._generations), timeout=0.5)
+
+    # ---- helpers on the caller's side ----
+
+    async def _run(self, coroutine: Coroutine) -> Any:
+        if self._close_started:
+            coroutine.close()
+            raise EngineClosed("the engine was closed")
+        return await self._loop.run(coroutine)
+
+    def _stop(self) -> None:
+        try:
+            self._stop_sglang_processes()
+            atexit.unregister(self._stop_sglang_processes)
+            self._loop.stop()
+        finally:
+            self._closed.set()
+
+    def _stop_sglang_processes(self) -> None:
+        """Stops SGLang's watchdog (it would take the exits below for a crash), then SGLang's processes,
+        and reaps them (they are multiprocessing children of this process)."""
+        from sglang.srt.utils import kill_process_tree
+
+        watchdog = getattr(self._tokenizer_manager, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+        pids = set(self._sglang.get_all_child_pids())
+        for pid in pids:
+            kill_process_tree(pid)
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S  # kill_process_tree may return before they are zombies
+        while pids & {child.pid for child in multiprocessing.active_children()} and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _check_model(self, version: int, config: Mapping, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        if _model_identity(config) != _model_identity(self.config):
+            raise SchemaError(f"weights v{version}: config.json describes another model than the engine's")
+        _check_tensor_shapes(version, shapes, self._shapes)
+
+    def _check_ids(self, input_ids: list[int]) -> None:
+        if not input_ids:
+            raise SchemaError("input_ids: empty; expected at least one token id")
+        for i, token in enumerate(input_ids):
+            if not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise SchemaError(
+                    f"input_ids[{i}]: token id {token!r} is outside the vocabulary [0, {self.vocab_size})"
+                )
