@@ -130,11 +130,19 @@ class TrainingService:
 
     def train_version(self) -> dict[str, Any]:
         """Lease, train, ack, publish version + 1. Returns this version's metrics (same on every rank)."""
-        cfg = self.config
         start = time.perf_counter()
+        batch = self.wait_for_batch()
+        return self.train_batch(batch, waited=time.perf_counter() - start)
+
+    def wait_for_batch(self) -> Batch | None:
+        """This rank's rows for the next version (fetched while the previous version trained)."""
         batch = self._next.result() if self._next is not None else self._lease()
         self._next = self._prefetcher.submit(self._lease)
-        waited = time.perf_counter() - start
+        return batch
+
+    def train_batch(self, batch: Batch | None, waited: float = 0.0) -> dict[str, Any]:
+        """Train on a batch, ack it, publish version + 1 (what a colocated trainer does holding the devices)."""
+        cfg = self.config
         rows, dropped, staleness = self._rows(batch)
         warming_up = self.version < cfg.critic_warmup_versions  # the same on every rank
         if warming_up:

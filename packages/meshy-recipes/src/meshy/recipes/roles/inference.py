@@ -4,6 +4,7 @@ import asyncio
 
 from meshy.dataplane.weights import WEIGHTS_STREAM, Published
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
+from meshy.recipes.colocation import join_ring
 from meshy.recipes.context import RoleContext
 
 
@@ -38,6 +39,29 @@ class InferenceRole:
             published, max_running=sampling.max_in_flight, max_len=sampling.context_length, device=self.ctx.slot.device
         )
 
+    async def _share_devices(self, engine, stop: asyncio.Event) -> None:
+        """As the ring's FALLBACK member: hand the devices over when asked (pause, release memory) and
+        take them back when the token returns (onload, resume)."""
+        loop = asyncio.get_running_loop()
+
+        def run(coroutine) -> None:
+            asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=120)
+
+        async def give() -> None:
+            await engine.pause()
+            await engine.release()
+
+        async def take() -> None:
+            await engine.onload()
+            await engine.resume()
+
+        ring = await asyncio.to_thread(join_ring, self.ctx, lambda _: run(take()), lambda: run(give()))
+        if ring is None:
+            return
+        while not stop.is_set():
+            await asyncio.to_thread(ring.poll, 0.2)
+        await asyncio.to_thread(ring.close)
+
     async def _serve(self) -> None:
         ctx, sampling = self.ctx, self.ctx.recipe.sampling
         published = await asyncio.to_thread(self._first_weights)
@@ -63,10 +87,12 @@ class InferenceRole:
             stop.set()
 
         bridging = asyncio.create_task(bridge())
+        sharing = asyncio.create_task(self._share_devices(engine, stop))
         try:
             stats = await service.run(stop)
         finally:
             bridging.cancel()
+            await sharing
             await engine.close()
         ctx.record(
             "inference",

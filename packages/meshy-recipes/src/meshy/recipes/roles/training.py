@@ -1,10 +1,13 @@
 """The training role: the policy trainer service, from the first weights version to the last."""
 
 import shutil
+import time
 
+import torch
 import torch.distributed as dist
 
 from meshy.dataplane.weights import WEIGHTS_STREAM
+from meshy.recipes.colocation import join_ring
 from meshy.recipes.context import TRAIN_TASK, RoleContext, announce_stop
 from meshy.recipes.progress import Progress
 from meshy.train import checkpoint
@@ -47,6 +50,7 @@ class TrainingRole:
             checkpoint_dir=ctx.run_dir / "checkpoints",
         )
         self.lead = ctx.slot.index == 0
+        self.device = next(model.parameters()).device
 
     def run(self) -> None:
         ctx, steps = self.ctx, self.ctx.recipe.steps
@@ -56,14 +60,23 @@ class TrainingRole:
         else:
             self.service.publish_initial()
         progress = Progress(ctx.run_dir, steps) if self.lead else None
+        ring = join_ring(ctx, on_acquire=lambda _: self._move(self.device), on_release=lambda: self._move("cpu"))
         try:
             while self.service.version < steps:
-                record = self.service.train_version()
+                start = time.perf_counter()
+                batch = self.service.wait_for_batch()
+                if ring is not None:
+                    ring.acquire(timeout=600)
+                record = self.service.train_batch(batch, waited=time.perf_counter() - start)
+                if ring is not None:
+                    ring.release(payload={"version": self.service.version})
                 if progress is not None:
                     progress.step(record)
                     ctx.record("version", version=record["version"], reward_mean=record.get("reward_mean"))
         finally:
             self.service.close()
+            if ring is not None:
+                ring.close()
         if self.lead:
             curve = progress.close()
             final = self._keep_final_weights()
@@ -75,6 +88,14 @@ class TrainingRole:
             )
         if dist.is_initialized():
             dist.barrier()
+
+    def _move(self, device: str) -> None:
+        """Offload to host memory while another role holds the devices, and back (a no-op move on CPU)."""
+        self.trainer.model.to(device)
+        for state in self.trainer.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
 
     def _keep_final_weights(self):
         final = self.ctx.run_dir / "final_weights"

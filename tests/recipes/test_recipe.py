@@ -1,0 +1,87 @@
+import dataclasses
+
+import pytest
+
+from meshy.dataplane import SchemaError
+from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
+from meshy.recipes.topology import assign
+
+DEFAULT = DEFAULT_RECIPE.read_text()
+
+
+def recipe_from(tmp_path, text: str):
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    return load_recipe(path)
+
+
+def test_the_embedded_default_loads_and_resolves():
+    recipe = load_recipe()
+    assert recipe.world_size == 3 and recipe.algorithm.window == 1
+    slots = assign(recipe, 3)
+    assert [(s.role, s.index, s.device) for s in slots.values()] == [
+        ("training", 0, "cpu"),
+        ("inference", 0, "cpu"),
+        ("rollout", 0, "cpu"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda t: "learning_rate = 1\n" + t, "recipe: unknown field 'learning_rate'; expected one of"),
+        (
+            lambda t: t.replace("[algorithm.loss]", "[algorithm.loss]\nclip_lo = 0.1"),
+            "recipe.algorithm.loss: unknown field 'clip_lo'",
+        ),
+        (
+            lambda t: t.replace("group_size = 8", 'group_size = "8"'),
+            "recipe.algorithm: AlgorithmSpec.group_size: expected int, got str '8'",
+        ),
+        (lambda t: t.replace("pacing = 1", 'pacing = "fast"'), "pacing: expected an int >= 1 or \"none\", got 'fast'"),
+        (lambda t: t.replace("pacing = 1", "pacing = 0"), "pacing: expected an int >= 1"),
+        (lambda t: t.replace('kind = "grpo"', 'kind = "ppo"'), 'algorithm.kind: "ppo" trains a learned critic'),
+        (lambda t: t.replace('kind = "grpo"', 'kind = "distill"'), 'algorithm.kind: "distill" needs a [roles.teacher]'),
+        (lambda t: t.replace('name = "qwen3-tiny"', 'name = "qwen4"'), "model: unknown name 'qwen4'"),
+        (lambda t: t.replace("vocab_size = 17", "vocab = 17"), "overrides: unknown architecture fields ['vocab']"),
+        (lambda t: 'colocate = [["training", "reward"]]\n' + t, "colocate: unknown role 'reward'"),
+        (
+            lambda t: t.replace("prompts_per_step = 32", "prompts_per_step = 3").replace(
+                "[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2"
+            ),
+            "prompts_per_step: 3 groups do not split evenly over 2 training processes",
+        ),
+        (lambda t: t + '\n[[roles.custom]]\nname = "training"\ncls = "x:Y"\n', "custom role name 'training'"),
+        (lambda t: t.replace("max_new_tokens = 3", "max_new_tokens = 0"), "max_new_tokens, max_in_flight >= 1"),
+    ],
+)
+def test_bad_recipes_get_one_error_naming_the_field(tmp_path, edit, needle):
+    with pytest.raises(SchemaError) as err:
+        recipe_from(tmp_path, edit(DEFAULT))
+    assert needle in str(err.value)
+
+
+def test_topology_rejects_a_world_that_does_not_fit():
+    with pytest.raises(SchemaError, match="world size 4 does not match the recipe's 3 processes"):
+        assign(load_recipe(), 4)
+
+
+def test_colocated_roles_share_devices_and_the_rest_get_their_own(tmp_path):
+    text = 'colocate = [["training", "inference"]]\n' + DEFAULT
+    text = text.replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2\ndevices_per_process = 1")
+    text = text.replace("[roles.inference]\nprocesses = 1", "[roles.inference]\nprocesses = 2\ndevices_per_process = 1")
+    text = text.replace("[roles.rollout]\nprocesses = 1", "[roles.rollout]\nprocesses = 1\ndevices_per_process = 1")
+    recipe = recipe_from(tmp_path, text)
+    slots = assign(recipe, 5, gpus_per_node=8)
+    by_role = {(s.role, s.index): (s.devices, s.ring) for s in slots.values()}
+    assert by_role[("training", 0)] == by_role[("inference", 0)] == ((0,), "training+inference")
+    assert by_role[("training", 1)] == by_role[("inference", 1)] == ((1,), "training+inference")
+    assert by_role[("rollout", 0)] == ((2,), None)
+    cpu = assign(recipe, 5)
+    assert all(s.device == "cpu" for s in cpu.values())
+
+
+def test_sections_reuse_the_components_configs():
+    recipe = load_recipe()
+    assert dataclasses.asdict(recipe.algorithm.optim)["lr"] == 1e-3
+    assert recipe.algorithm.loss.tis == "none"
