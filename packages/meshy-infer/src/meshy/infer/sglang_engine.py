@@ -5,14 +5,17 @@ as coroutines bound to the event loop they first run on. So every call into SGLa
 of our own, on a thread of its own (`_LoopThread`): the public coroutines post there and await the result,
 callers may use any loop (or a fresh one per call), and the caller's loop never runs SGLang's work.
 
-Each `generate` is one SGLang request with its own rid. Its output carries the logprob of every sampled
-token (temperature applied, before top-k/top-p truncation, as the trainer computes it) and the spans of
-weight versions SGLang records, expanded here to one version per token. Pause, weight updates and release
-all hold generation the same way, with SGLang's pause_generation: in "retract" mode running requests go
-back to SGLang's queue and their KV cache is recomputed when generation continues (so every token after a
-weight update comes from the new weights); in "abort" mode they end and are resubmitted here, their output
-so far appended to the prompt, once generation continues. Requests that arrive while generation is held
-wait.
+Each `generate` is an SGLang request with a rid of its own, streamed back every `stream_interval` tokens
+(so a request aborted while SGLang holds it in its queue still returns what it produced; SGLang keeps
+no other copy in this process). Its output carries the logprob of every sampled token (temperature
+applied, before top-k/top-p truncation, as the trainer computes it) and the spans of weight versions
+SGLang records, expanded here to one version per token.
+
+Pause, weight updates and release all hold generation the same way, with SGLang's pause_generation: in
+"retract" mode running requests go back to SGLang's queue and their KV cache is recomputed when
+generation continues (so every token after a weight update comes from the new weights); in "abort" mode
+they end and are resubmitted here, their output so far appended to the prompt, once generation
+continues. Requests that arrive while generation is held wait.
 
 What SGLang cannot do here, and what happens instead:
 - Seeds: SGLang honours a seed only with enable_deterministic_inference (`deterministic=True`), which
@@ -20,10 +23,13 @@ What SGLang cannot do here, and what happens instead:
   it a request's seed is ignored, and a warning says so once.
 - release/onload on CPU: SGLang's release_memory_occupation calls torch.cuda.synchronize and kills the
   scheduler, so on CPU `release` holds generation and scoring until `onload` and frees nothing. On a GPU
-  it needs `colocate=True` (SGLang's memory saver, with a host copy of the weights).
+  it needs `colocate=True` (SGLang's memory saver, with a host copy of the weights), and weights cannot
+  be updated while released.
 - `score` waits while generation is held (SGLang gates every request on its pause), not only while
   released.
-- A crashed SGLang child process ends this process too (SGLang's SIGQUIT handling).
+- A crashed SGLang child process ends this process too (SGLang's SIGQUIT handling). Importing and
+  starting SGLang also sets process-wide state: uvloop as the asyncio loop policy, "spawn" as the
+  multiprocessing start method, a SIGQUIT handler and some environment variables.
 """
 
 import asyncio
@@ -146,7 +152,7 @@ def _check_tensor_shapes(version: int, shapes: Mapping[str, tuple[int, ...]], ex
         )
 
 
-def _flattened_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict]:
+def flattened_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict]:
     """The tensors as SGLang's flattened buckets: one byte tensor and its metadata per <= bucket_bytes."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -241,9 +247,12 @@ class SGLangEngine(Engine):
     context length (prompt + output). `pause_mode`: "retract" or "abort" (see the module docstring).
     `deterministic`: honour seeds (SGLang's deterministic inference; GPU only). `colocate`: enable
     `release`/`onload` on a GPU (SGLang's memory saver; weights backed up in host memory).
-    `bucket_bytes`: the size of the flattened buckets in-memory weights are sent to SGLang in. Other
+    `bucket_bytes`: the most bytes of in-memory weights sent to SGLang in one flattened bucket.
+    `stream_interval`: how many tokens SGLang produces between two reports of a request's output. Other
     keyword arguments are passed to sglang.Engine as they are (mem_fraction_static, max_running_requests,
-    disable_radix_cache, tp_size, ...). Starting takes 20-40 s; construct it off a running event loop.
+    disable_radix_cache, tp_size, ...). Starting takes 20-60 s and blocks; construct it off a running
+    event loop. `pause_mode` and `bucket_bytes` may be changed later (they apply from the next hold or
+    update).
     """
 
     def __init__(
@@ -289,7 +298,7 @@ class SGLangEngine(Engine):
         self._colocate = colocate
         self.pause_mode = pause_mode
         self._deterministic = deterministic
-        self._bucket_bytes = bucket_bytes
+        self.bucket_bytes = bucket_bytes
         self._stream_interval = stream_interval
         self._seed_warned = False
 
@@ -624,7 +633,7 @@ class SGLangEngine(Engine):
             if not success:
                 raise SGLangError(f"weights v{version}: begin_weight_update: {message}")
             try:
-                buckets = list(_flattened_buckets(tensors, self._bucket_bytes))  # alive until SGLang loaded them
+                buckets = list(flattened_buckets(tensors, self.bucket_bytes))  # alive until SGLang loaded them
                 for i, bucket in enumerate(buckets):
                     last = i == len(buckets) - 1
                     payload = MultiprocessingSerializer.serialize(bucket)

@@ -12,6 +12,8 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="run a recipe (default: the embedded CPU demo) with one torchrun")
     run.add_argument("recipe", nargs="?", help="a recipe TOML file (default: the embedded default)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
+    inspect = commands.add_parser("inspect", help="audit a run: versions, loads, GPU grants, staleness, drops")
+    inspect.add_argument("run_dir", metavar="RUN_DIR")
     demo = commands.add_parser("demo", help="run the data-plane demo (rollout, inference, two trainer ranks)")
     demo.add_argument("--steps", type=int, default=5, help="weight versions to train (default 5)")
     args = parser.parse_args(argv)
@@ -20,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
             from meshy.recipes.run import run as run_recipe
 
             return run_recipe(args.recipe, args.resume)
+        if args.command == "inspect":
+            from meshy.recipes.inspect_run import report
+
+            print(report(args.run_dir))
+            return 0
         from meshy.dataplane.demo import main as demo_main
 
         return demo_main(["--steps", str(args.steps)])

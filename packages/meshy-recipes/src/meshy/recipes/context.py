@@ -31,9 +31,8 @@ def rollout_table(recipe: Recipe) -> TableSpec:
         teacher_topk=recipe.algorithm.teacher_topk if recipe.algorithm.kind == "distill" else 0,
         retire_after=(TRAIN_TASK,),
     )
-    return TableSpec(
-        base.name, (*base.columns, Column(GROUND_TRUTH, "str")), base.group_size, base.max_row_bytes, base.retire_after
-    )
+    columns = (*base.columns, Column(GROUND_TRUTH, "str"), *recipe.extra_columns)
+    return TableSpec(base.name, columns, base.group_size, base.max_row_bytes, base.retire_after)
 
 
 @dataclass

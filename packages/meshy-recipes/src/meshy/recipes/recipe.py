@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from meshy.dataplane import DataPlaneConfig, SchemaError
+from meshy.dataplane import Column, DataPlaneConfig, SchemaError
 from meshy.dataplane.fields import check_fields
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig
@@ -163,7 +163,8 @@ class SamplingSpec:
 @dataclass(frozen=True)
 class Recipe:
     """steps: weights versions to train. colocate: groups of roles that share devices through a GPU
-    token ring (e.g. [["training", "inference"]]). publish: how weights reach inference."""
+    token ring (e.g. [["training", "inference"]]). publish: how weights reach inference. extra_columns:
+    columns added to the rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
 
     name: str
     steps: int = 100
@@ -172,6 +173,7 @@ class Recipe:
     checkpoint_every: int = 0
     publish: Literal["disk", "shared-memory"] = "disk"
     colocate: tuple[tuple[str, ...], ...] = ()
+    extra_columns: tuple[Column, ...] = ()
     model: ModelSpec = field(default_factory=ModelSpec)
     task: TaskSpec = field(default_factory=TaskSpec)
     algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)

@@ -175,14 +175,17 @@ class TrainingService:
         hist = {str(s): int(c) for s, c in enumerate(total[5 : 5 + max_staleness]) if c}
         if total[-1]:
             hist[f">={max_staleness}"] = int(total[-1])
+        trained = [row["row"] for row in rows]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(everyone, dropped)
-            dropped = [d for rank_dropped in everyone for d in rank_dropped]
+            everyone: list[tuple[list[int], list[dict]]] = [([], []) for _ in range(dist.get_world_size())]
+            dist.all_gather_object(everyone, (trained, dropped))
+            trained = [r for rank_trained, _ in everyone for r in rank_trained]
+            dropped = [d for _, rank_dropped in everyone for d in rank_dropped]
         record = {
             "version": self.version,
             "rows_trained": int(total[0]),
             "rows_dropped": int(total[1]),
+            "row_ids": sorted(trained),
             "dropped": dropped,
             "tokens": int(global_tokens),
             "tokens_per_s": global_tokens / max(train_seconds, 1e-9),

@@ -1,0 +1,82 @@
+"""`meshy inspect RUN_DIR`: the control-stream audit and the staleness histogram, from a run's records."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from meshy.dataplane import SchemaError, SequenceAudit
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _audit(sequence: list[int]) -> SequenceAudit:
+    audit = SequenceAudit()
+    for value in sequence:
+        audit.observe(value)
+    return audit
+
+
+def report(run_dir: str | Path) -> str:
+    run_dir = Path(run_dir)
+    metrics = _lines(run_dir / "metrics.jsonl")
+    if not metrics and not (run_dir / "records").is_dir():
+        raise SchemaError(f"inspect: {run_dir} has no metrics.jsonl and no records/; is it a run directory?")
+    out = [f"run {run_dir}"]
+    versions = [m["version"] for m in metrics]
+    trained = _audit(versions)
+    out.append(
+        f"weights versions trained and published: {len(versions)}"
+        + (f" (v{versions[0]}..v{versions[-1]})" if versions else "")
+        + f"  gaps {trained.gaps}  duplicates {trained.duplicates}  reordered {trained.reordered}"
+    )
+    for path in sorted((run_dir / "records").glob("*.jsonl")):
+        records = _lines(path)
+        loaded = [v for r in records if r["kind"] == "inference" for v in r["versions"]]
+        if any(r["kind"] == "inference" for r in records):
+            audit = _audit(loaded)
+            out.append(
+                f"{path.stem}: loaded {len(loaded)} versions {loaded[:3]}{'...' if len(loaded) > 3 else ''}"
+                f"  skipped {sum(b - a + 1 for a, b in audit.gaps)}  duplicates {audit.duplicates}"
+                f"  reordered {audit.reordered}"
+            )
+    grants = sorted(
+        (r["seq"], r["ring"], r["holder"])
+        for p in (run_dir / "records").glob("*.jsonl")
+        for r in _lines(p)
+        if r["kind"] == "grant"
+    )
+    for ring in sorted({g[1] for g in grants}):
+        seqs = [seq for seq, name, _ in grants if name == ring]
+        audit = _audit(seqs)
+        holders = Counter(holder for _, name, holder in grants if name == ring)
+        out.append(
+            f"ring {ring}: {len(seqs)} grants {dict(holders)}  gaps {audit.gaps}  duplicates {audit.duplicates}"
+            f"  reordered {audit.reordered}"
+        )
+    histogram: Counter = Counter()
+    for m in metrics:
+        histogram.update(m.get("staleness_histogram", {}))
+    total = sum(histogram.values())
+    out.append(
+        "staleness of trained tokens (versions behind): "
+        + (
+            ", ".join(
+                f"{k}: {v} ({v / total:.1%})"
+                for k, v in sorted(histogram.items(), key=lambda kv: int(kv[0].lstrip(">=")))
+            )
+            if total
+            else "no trained tokens"
+        )
+    )
+    reasons = Counter(d["reason"] for m in metrics for d in m.get("dropped", []))
+    trained_rows = sum(m.get("rows_trained", 0) for m in metrics)
+    out.append(
+        f"rows trained {trained_rows}, dropped {sum(reasons.values())}"
+        + "".join(f"\n  dropped: {n} x {reason}" for reason, n in reasons.most_common())
+    )
+    rewards = [m["reward_mean"] for m in metrics if m.get("reward_mean") is not None]
+    if rewards:
+        out.append(f"mean reward: first {rewards[0]:.3f}, last {rewards[-1]:.3f}, best {max(rewards):.3f}")
+    return "\n".join(out)
