@@ -6,8 +6,8 @@ import torch
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.weights import CorruptWeights, read_published
-from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, SamplingParams
-from meshy.infer.torch_engine import EngineClosed, TorchEngine
+from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
+from meshy.infer.torch_engine import TorchEngine
 from meshy.infer.torch_model import ModelConfig, load_model
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model

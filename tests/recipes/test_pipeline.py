@@ -1,7 +1,6 @@
 """End-to-end runs of the whole pipeline on CPU with `meshy run` (real torchrun, real processes)."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -91,7 +90,10 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
 
 
 def test_a_custom_role_from_a_test_module_writes_its_own_column(tmp_path):
-    extra = '\n[[roles.custom]]\nname = "scorer"\ncls = "tests.recipes.custom_role:LengthScorer"\noptions = { column = "rm_score" }\n'
+    extra = (
+        '\n[[roles.custom]]\nname = "scorer"\ncls = "tests.recipes.custom_role:LengthScorer"\n'
+        'options = { column = "rm_score" }\n'
+    )
     columns = '\n[[extra_columns]]\nname = "rm_score"\ndtype = "float32"\n'
     run_dir = run(small_recipe(tmp_path, "1", top="", tail=extra + columns))
     check_run(run_dir, 0)

@@ -83,5 +83,5 @@ def test_colocated_roles_share_devices_and_the_rest_get_their_own(tmp_path):
 
 def test_sections_reuse_the_components_configs():
     recipe = load_recipe()
-    assert dataclasses.asdict(recipe.algorithm.optim)["lr"] == 1e-3
+    assert dataclasses.asdict(recipe.algorithm.optim)["lr"] == 5e-4
     assert recipe.algorithm.loss.tis == "none"

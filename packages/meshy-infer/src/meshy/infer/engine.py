@@ -68,6 +68,10 @@ class Scores:
 WeightsSource = Published | Mapping[str, torch.Tensor]
 
 
+class EngineClosed(RuntimeError):
+    """The engine was closed (or its worker failed) before the call could run."""
+
+
 class Engine(abc.ABC):
     """A generation backend. `weight_version` is the version the next token will be produced by."""
 

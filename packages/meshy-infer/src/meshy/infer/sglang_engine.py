@@ -42,7 +42,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,12 +65,12 @@ from meshy.infer.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
     Engine,
+    EngineClosed,
     Generation,
     SamplingParams,
     Scores,
     WeightsSource,
 )
-from meshy.infer.torch_engine import EngineClosed
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,18 @@ _CLOSE_TIMEOUT_S = 60.0
 # SGLang caps a request at context_length - 2 tokens and a prompt at context_length - 6: started with this
 # much more than max_len, every prompt + output of up to max_len tokens fits and max_len is the only limit.
 _CONTEXT_SLACK = 6
+# sglang.Engine arguments SGLangEngine sets itself, and the parameter that sets each.
+_SET_BY = {
+    "model_path": "source",
+    "context_length": "max_len",
+    "max_running_requests": "max_running",
+    "weight_version": "version",
+    "random_seed": "seed",
+    "enable_deterministic_inference": "deterministic",
+    "enable_memory_saver": "colocate",
+    "enable_weights_cpu_backup": "colocate",
+    "skip_tokenizer_init": "nothing: requests are token ids",
+}
 
 
 class SGLangError(RuntimeError):
@@ -152,21 +164,29 @@ def _check_tensor_shapes(version: int, shapes: Mapping[str, tuple[int, ...]], ex
         )
 
 
-def flattened_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict]:
-    """The tensors as SGLang's flattened buckets: one byte tensor and its metadata per <= bucket_bytes."""
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-    bucket, size = [], 0
+def bucket_names(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """The tensors' names, in order, in buckets of at most bucket_bytes (a bigger tensor gets one alone)."""
+    buckets: list[list[str]] = [[]]
+    size = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            flat = FlattenedTensorBucket(named_tensors=bucket)
-            yield {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-            bucket, size = [], 0
-        bucket.append((name, tensor.detach()))
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
         size += nbytes
-    flat = FlattenedTensorBucket(named_tensors=bucket)
-    yield {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    return buckets
+
+
+def serialized_bucket(tensors: Mapping[str, torch.Tensor], names: list[str]) -> tuple[bytes, torch.Tensor]:
+    """One flattened bucket as update_weights_from_tensor takes it (load_format "flattened_bucket"),
+    and the flat tensor the payload refers to: keep it alive until SGLang has loaded it."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket(named_tensors=[(name, tensors[name].detach()) for name in names])
+    flat = bucket.get_flattened_tensor()
+    return MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": bucket.get_metadata()}), flat
 
 
 def _import_sglang(device: str) -> Any:
@@ -174,7 +194,12 @@ def _import_sglang(device: str) -> Any:
     import time whether it runs on CPU, from SGLANG_USE_CPU_ENGINE."""
     if device == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    import sglang
+    try:
+        import sglang
+    except ImportError as e:
+        raise ImportError(
+            f"SGLangEngine needs the sglang extra (uv sync --extra sglang, or meshy-infer[sglang]): {e}"
+        ) from e
     from sglang.srt.utils import is_cpu
 
     if device == "cpu" and not is_cpu():
@@ -244,15 +269,16 @@ class SGLangEngine(Engine):
 
     source: a Published hf-safetensors version (its checksum is verified first) or an HF checkpoint
     directory; `version` is its weights version (by default a Published's own, else 0). `max_len` is the
-    context length (prompt + output). `pause_mode`: "retract" or "abort" (see the module docstring).
+    context length (prompt + output), `max_running` the most requests decoded at once (by default
+    SGLang's choice from memory). `pause_mode`: "retract" or "abort" (see the module docstring).
     `deterministic`: honour seeds (SGLang's deterministic inference; GPU only). `colocate`: enable
     `release`/`onload` on a GPU (SGLang's memory saver; weights backed up in host memory).
     `bucket_bytes`: the most bytes of in-memory weights sent to SGLang in one flattened bucket.
     `stream_interval`: how many tokens SGLang produces between two reports of a request's output. Other
-    keyword arguments are passed to sglang.Engine as they are (mem_fraction_static, max_running_requests,
-    disable_radix_cache, tp_size, ...). Starting takes 20-60 s and blocks; construct it off a running
-    event loop. `pause_mode` and `bucket_bytes` may be changed later (they apply from the next hold or
-    update).
+    keyword arguments are passed to sglang.Engine as they are (mem_fraction_static, max_total_tokens,
+    disable_radix_cache, tp_size, ...), except those this class sets itself (SchemaError names the
+    parameter to use). Starting takes 20-60 s and blocks; construct it off a running event loop.
+    `pause_mode` and `bucket_bytes` may be changed later (they apply from the next hold or update).
     """
 
     def __init__(
@@ -263,6 +289,7 @@ class SGLangEngine(Engine):
         device: str = "cuda",
         dtype: str = "bfloat16",
         max_len: int = 4096,
+        max_running: int | None = None,
         pause_mode: str = "retract",
         deterministic: bool = False,
         colocate: bool = False,
@@ -273,6 +300,11 @@ class SGLangEngine(Engine):
     ):
         if max_len < 2:
             raise SchemaError(f"SGLangEngine max_len: expected >= 2 tokens, got {max_len}")
+        if max_running is not None and max_running < 1:
+            raise SchemaError(f"SGLangEngine max_running: expected >= 1, got {max_running}")
+        if clash := sorted(server_args.keys() & _SET_BY.keys()):
+            name = clash[0]
+            raise SchemaError(f"SGLangEngine {name}: set by SGLangEngine (through {_SET_BY[name]}), not passed on")
         if device == "cpu" and (deterministic or colocate):
             raise SchemaError(
                 "SGLangEngine on CPU: deterministic=True needs a GPU attention backend and SGLang's Triton "
@@ -316,6 +348,8 @@ class SGLangEngine(Engine):
             "enable_weights_cpu_backup": colocate,
             "log_level": "error",
         }
+        if max_running is not None:
+            args["max_running_requests"] = max_running
         if device == "cpu":
             args["attention_backend"] = "torch_native"
         self._sglang = sglang.Engine(**{**args, **server_args})
@@ -326,7 +360,7 @@ class SGLangEngine(Engine):
 
         self._loop = _LoopThread("meshy-sglang")
         self._requests: dict[str, _Request] = {}  # request_id -> its running `generate`
-        self._generations: set[asyncio.Task] = set()
+        self._in_flight: set[asyncio.Task] = set()  # generate and score calls, on the loop
         self._submissions = 0  # numbers SGLang rids; a rid is never a prefix of another (SGLang aborts by prefix)
         self._holds: set[str] = set()  # why generation is held: "pause", "update", "release"
         self._gate = asyncio.Condition()  # notified when holds or closing change (used on the loop only)
@@ -398,6 +432,8 @@ class SGLangEngine(Engine):
         """A Published is verified (and its config compared with the engine's) before SGLang sees it; a
         directory is then loaded by SGLang from disk, tensors are sent in flattened buckets. A corrupt or
         mismatched version raises and leaves the engine on its current weights."""
+        if self._released and self._on_gpu:
+            raise SGLangError(f"weights v{version}: the engine is released; onload() before update_weights")
         if isinstance(source, Published):
             if source.version != version:
                 raise SchemaError(f"update_weights version: {version} given for published version {source.version}")
@@ -412,8 +448,6 @@ class SGLangEngine(Engine):
             self._check_model(version, config, {name: tuple(t.shape) for name, t in source.items()})
         else:
             _check_tensor_shapes(version, {name: tuple(t.shape) for name, t in source.items()}, self._shapes)
-        if self._released and self._on_gpu:
-            raise SGLangError(f"weights v{version}: the engine is released; onload() before update_weights")
         await self._run(self._update_from_tensors_on_loop(version, source))
 
     async def release(self) -> None:
@@ -447,7 +481,7 @@ class SGLangEngine(Engine):
             raise SchemaError(f"request_id {request_id!r}: a request with this id is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = self._requests[request_id] = _Request(request_id, prompt, params, seed)
-        self._generations.add(asyncio.current_task())
+        self._in_flight.add(asyncio.current_task())
         try:
             while True:
                 await self._admitted(request)
@@ -461,7 +495,7 @@ class SGLangEngine(Engine):
                     return request.result(FINISH_LENGTH)
         finally:
             del self._requests[request_id]
-            self._generations.discard(asyncio.current_task())
+            self._in_flight.discard(asyncio.current_task())
 
     async def _submit(self, request: _Request) -> str:
         """One SGLang request for what is left of `request`; appends its output, returns its finish reason."""
@@ -501,23 +535,27 @@ class SGLangEngine(Engine):
     async def _score_on_loop(self, input_ids: list[int], top_k: int, start: int) -> Scores:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        while True:  # an abort-mode pause ends a scoring request too: score again once resumed
-            await self._admitted(None)
-            if self._closing:
-                raise EngineClosed("the engine was closed")
-            out = await self._final_response(
-                GenerateReqInput(
-                    input_ids=input_ids,
-                    sampling_params={"max_new_tokens": 0},
-                    return_logprob=True,
-                    logprob_start_len=start,
-                    top_logprobs_num=top_k,
-                    rid=self._next_rid("score"),
+        self._in_flight.add(asyncio.current_task())
+        try:
+            while True:  # an abort-mode pause ends a scoring request too: score again once resumed
+                await self._admitted(None)
+                if self._closing:
+                    raise EngineClosed("the engine was closed")
+                out = await self._final_response(
+                    GenerateReqInput(
+                        input_ids=input_ids,
+                        sampling_params={"max_new_tokens": 0},
+                        return_logprob=True,
+                        logprob_start_len=start,
+                        top_logprobs_num=top_k,
+                        rid=self._next_rid("score"),
+                    )
                 )
-            )
-            meta = out["meta_info"]
-            if meta["finish_reason"]["type"] != "abort":
-                break
+                meta = out["meta_info"]
+                if meta["finish_reason"]["type"] != "abort":
+                    break
+        finally:
+            self._in_flight.discard(asyncio.current_task())
         # SGLang's first entry is the logprob of ids[start] (None at 0); Scores starts at ids[start + 1].
         token_logprobs = [logprob for logprob, _, _ in meta["input_token_logprobs"][1:]]
         if top_k == 0:
@@ -620,30 +658,29 @@ class SGLangEngine(Engine):
             EndWeightUpdateReqInput,
             UpdateWeightsFromTensorReqInput,
         )
-        from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         if any(tensor.is_cuda for tensor in tensors.values()):
             # CUDA tensors travel as IPC handles keyed by device uuid. (The patch breaks sharing CPU
             # tensors in this process, so only where there are CUDA tensors to send.)
             monkey_patch_torch_reductions()
-        tp_size = self._sglang.server_args.tp_size
         async with self._held_for_update():
             success, message = await self._tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None)
             if not success:
                 raise SGLangError(f"weights v{version}: begin_weight_update: {message}")
             try:
-                buckets = list(flattened_buckets(tensors, self.bucket_bytes))  # alive until SGLang loaded them
-                for i, bucket in enumerate(buckets):
+                buckets = bucket_names(tensors, self.bucket_bytes)
+                for i, names in enumerate(buckets):
+                    payload, flat = await asyncio.to_thread(serialized_bucket, tensors, names)
                     last = i == len(buckets) - 1
-                    payload = MultiprocessingSerializer.serialize(bucket)
                     request = UpdateWeightsFromTensorReqInput(
-                        serialized_named_tensors=[payload] * tp_size,
+                        serialized_named_tensors=[payload] * self._sglang.server_args.tp_size,
                         load_format="flattened_bucket",
                         flush_cache=last,
                         weight_version=str(version) if last else None,
                     )
                     success, message = await self._tokenizer_manager.update_weights_from_tensor(request, None)
+                    del flat  # loaded: free it before the next bucket is built
                     if not success:
                         raise SGLangError(f"weights v{version} (bucket {i}; weights may be partly loaded): {message}")
             finally:
@@ -675,16 +712,17 @@ class SGLangEngine(Engine):
             await self._unhold("release")
 
     async def _close_on_loop(self) -> None:
-        """Every generation ends as aborted with its output so far: the held ones are let go, the running
-        ones aborted in SGLang (again every half second, for requests SGLang had not yet queued)."""
+        """Every generation ends as aborted with its output so far (and every scoring with EngineClosed):
+        the held ones are let go, the running ones aborted in SGLang (again every half second, for
+        requests SGLang had not yet queued)."""
         self._closing = True
         for request in self._requests.values():
             request.aborted = True
         await self._notify_gate()
         deadline = asyncio.get_running_loop().time() + _CLOSE_TIMEOUT_S
-        while self._generations and asyncio.get_running_loop().time() < deadline:
+        while self._in_flight and asyncio.get_running_loop().time() < deadline:
             self._tokenizer_manager.abort_request(abort_all=True)
-            await asyncio.wait(set(self._generations), timeout=0.5)
+            await asyncio.wait(set(self._in_flight), timeout=0.5)
 
     # ---- helpers on the caller's side ----
 

@@ -32,6 +32,7 @@ from meshy.infer.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
     Engine,
+    EngineClosed,
     Generation,
     SamplingParams,
     Scores,
@@ -42,10 +43,6 @@ from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_mod
 # A published version (verified), an HF checkpoint directory (config.json and *.safetensors, sharded or
 # not), or a config.json dict with HF-named tensors.
 ModelSource = Published | str | os.PathLike | tuple[Mapping, Mapping[str, torch.Tensor]]
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed (or its worker failed) before the call could run."""
 
 
 def read_model(source: ModelSource) -> tuple[dict, Mapping[str, torch.Tensor]]:

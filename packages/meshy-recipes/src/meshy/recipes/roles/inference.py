@@ -32,7 +32,14 @@ class InferenceRole:
         if sampling.engine == "sglang":
             from meshy.infer.sglang_engine import SGLangEngine
 
-            return SGLangEngine(published, max_running=sampling.max_in_flight, context_length=sampling.context_length)
+            device = "cpu" if self.ctx.slot.device == "cpu" else "cuda"
+            return SGLangEngine(
+                published,
+                max_running=sampling.max_in_flight,
+                max_len=sampling.context_length,
+                device=device,
+                colocate=self.ctx.slot.ring is not None,
+            )
         from meshy.infer.torch_engine import TorchEngine
 
         return TorchEngine(
