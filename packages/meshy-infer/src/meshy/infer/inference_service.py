@@ -12,6 +12,7 @@ vocabulary) gets its reason in the `error` column and an empty response, and the
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from meshy.dataplane import Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
-from meshy.dataplane.weights import WEIGHTS_STREAM, Published
+from meshy.dataplane.weights import WEIGHTS_STREAM, CorruptWeights, Published
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, Engine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class InferenceStats:
     tokens: int = 0
     weight_updates: int = 0
     continued: int = 0  # requests aborted by a weight update and continued from their prefix
+    busy_s: float = 0.0  # wall time with at least one request in flight
+    failed_loads: int = 0  # announced versions that could not be loaded (corrupt, or already pruned)
     versions: list[int] = field(default_factory=list)
 
 
@@ -87,6 +90,7 @@ class InferenceService:
         # Finished rows wait here, by lease, to be written (and acked) many at a time.
         self._finished: dict[int, tuple[Batch, list[int], list[dict]]] = {}
         self._finished_ready = asyncio.Event()
+        self._busy_since = 0.0
 
     async def run(self, stop: asyncio.Event | None = None, max_rows: int | None = None) -> InferenceStats:
         """Serve until `stop` is set (or `max_rows` rows are written); then finish what is in flight."""
@@ -115,10 +119,12 @@ class InferenceService:
                 if batch is None:
                     await asyncio.sleep(0)
                     continue
+                if not self._in_flight:
+                    self._busy_since = time.monotonic()
                 for i, row_id in enumerate(batch.row_ids):
                     task = asyncio.create_task(self._serve(batch, row_id, batch.columns[cols.PROMPT_IDS][i]))
                     self._in_flight[row_id] = task
-                    task.add_done_callback(lambda _, row=row_id: self._in_flight.pop(row, None))
+                    task.add_done_callback(lambda _, row=row_id: self._finish(row))
             if self._in_flight:
                 await asyncio.gather(*self._in_flight.values())
         finally:
@@ -127,6 +133,11 @@ class InferenceService:
             await watcher
         await self._flush()
         return self.stats
+
+    def _finish(self, row_id: int) -> None:
+        self._in_flight.pop(row_id, None)
+        if not self._in_flight:
+            self.stats.busy_s += time.monotonic() - self._busy_since
 
     async def _serve(self, batch: Batch, row_id: int, prompt: torch.Tensor) -> None:
         try:
@@ -217,7 +228,16 @@ class InferenceService:
             messages = await asyncio.to_thread(reader.read, 64, self.config.poll_s)
             newest = max((Published.from_message(m.payload) for m in messages), key=lambda p: p.version, default=None)
             if newest is not None and newest.version > self.engine.weight_version:
-                await self._load(newest)
+                try:
+                    await self._load(newest)
+                except CorruptWeights as e:  # e.g. pruned because newer versions followed: wait for the next one
+                    log.warning(
+                        "weights v%d not loaded (%s); generation goes on with v%d",
+                        newest.version,
+                        e,
+                        self.engine.weight_version,
+                    )
+                    self.stats.failed_loads += 1
         await asyncio.to_thread(reader.close)
 
     async def _load(self, published: Published) -> None:

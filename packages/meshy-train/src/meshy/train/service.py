@@ -183,6 +183,7 @@ class TrainingService:
             dropped = [d for _, rank_dropped in everyone for d in rank_dropped]
         record = {
             "version": self.version,
+            "time": time.time(),
             "rows_trained": int(total[0]),
             "rows_dropped": int(total[1]),
             "row_ids": sorted(trained),

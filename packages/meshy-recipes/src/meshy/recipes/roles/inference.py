@@ -109,4 +109,6 @@ class InferenceRole:
             weight_updates=stats.weight_updates,
             continued=stats.continued,
             versions=stats.versions,
+            busy_s=stats.busy_s,
+            failed_loads=stats.failed_loads,
         )

@@ -28,7 +28,7 @@ class TrainingRole:
         if recipe.publish == "shared-memory":
             publisher = SharedMemoryPublisher(f"meshy-{ctx.run_dir.name}", self.arch, ctx.client, dtype=dtype)
         else:
-            publisher = DirectoryPublisher(ctx.run_dir / "weights", self.arch, ctx.client, dtype=dtype)
+            publisher = DirectoryPublisher(ctx.run_dir / "weights", self.arch, ctx.client, dtype=dtype, keep=4)
         self.publisher = publisher
         config = TrainServiceConfig(
             table=ctx.table,
@@ -60,6 +60,7 @@ class TrainingRole:
         else:
             self.service.publish_initial()
         progress = Progress(ctx.run_dir, steps) if self.lead else None
+        ctx.record("train_start", version=self.service.version)
         ring = join_ring(ctx, on_acquire=lambda _: self._move(self.device), on_release=lambda: self._move("cpu"))
         try:
             while self.service.version < steps:

@@ -1,0 +1,139 @@
+"""The inference and teacher services against a live data plane, with the pure-torch engine."""
+
+import asyncio
+
+import torch
+
+from meshy.dataplane import rollout as cols
+from meshy.dataplane.weights import Published
+from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
+from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
+from meshy.infer.torch_engine import TorchEngine
+from meshy.train.publish import DirectoryPublisher
+from tests.infer.test_torch_engine import ARCH, sharp_weights
+
+CHECK = [cols.RESPONSE_IDS, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.FINISH_REASON, cols.TRUNCATED, cols.ERROR]
+
+
+def table(client, unique, group_size=1):
+    return client.create_table(cols.rollout_table(unique("rollout"), group_size=group_size, teacher_topk=4)).name
+
+
+def engine(max_running=8, version=1, seed=0):
+    return TorchEngine(
+        (ARCH.hf_config("float32"), sharp_weights(seed)), max_running=max_running, max_len=128, version=version
+    )
+
+
+def test_inference_writes_responses_and_reports_bad_rows_without_stopping(client, unique):
+    name = table(client, unique)
+    prompts = [torch.tensor([5, 6, 7])] * 6 + [
+        torch.zeros(0, dtype=torch.int64),
+        torch.arange(3, 131),
+        torch.tensor([5, ARCH.vocab_size + 3]),
+    ]
+    client.put(name, list(range(len(prompts))), {cols.PROMPT_IDS: prompts})
+    config = InferenceServiceConfig(
+        table=name, max_new_tokens=8, context_length=128, temperature=1.0, seed=3, weights_stream=unique("weights")
+    )
+
+    async def serve():
+        e = engine()
+        try:
+            return await InferenceService(client, e, config).run(max_rows=len(prompts))
+        finally:
+            await e.close()
+
+    stats = asyncio.run(serve())
+    assert stats.rows == 9 and stats.errors == 3
+    batch = client.lease(name, "check", CHECK, count=9, timeout=5)
+    c = dict(zip(batch.row_ids, range(9), strict=True))
+    for row in range(6):
+        i = c[row]
+        n = len(batch.columns[cols.RESPONSE_IDS][i])
+        assert 1 <= n <= 8 and batch.columns[cols.ERROR][i] == ""
+        assert (
+            len(batch.columns[cols.ROLLOUT_LOGPROBS][i]) == n and (batch.columns[cols.ROLLOUT_LOGPROBS][i] <= 0).all()
+        )
+        assert batch.columns[cols.TOKEN_VERSIONS][i].tolist() == [1] * n
+        finish = batch.columns[cols.FINISH_REASON][i]
+        assert finish in ("stop", "length") and bool(batch.columns[cols.TRUNCATED][i]) == (finish == "length")
+    errors = [batch.columns[cols.ERROR][c[row]] for row in (6, 7, 8)]
+    assert errors[0] == "prompt_ids is empty"
+    assert errors[1] == "prompt of 128 tokens does not fit the context of 128"
+    assert "input_ids" in errors[2] and str(ARCH.vocab_size) in errors[2]
+    for row in (6, 7, 8):
+        assert (
+            batch.columns[cols.FINISH_REASON][c[row]] == "error" and len(batch.columns[cols.RESPONSE_IDS][c[row]]) == 0
+        )
+
+
+def test_a_new_version_mid_generation_is_loaded_and_aborted_requests_continue_from_their_prefix(
+    client, unique, tmp_path
+):
+    name = table(client, unique)
+    rows = list(range(6))
+    client.put(name, rows, {cols.PROMPT_IDS: [torch.tensor([5, 6, 7, 8])] * 6})
+    stream = unique("weights")
+    config = InferenceServiceConfig(
+        table=name,
+        max_new_tokens=100,
+        context_length=128,
+        temperature=0.0,
+        stop_token_ids=(),
+        weights_stream=stream,
+        poll_s=0.05,
+    )
+    directory = tmp_path / "v000002"
+    e = engine(max_running=1)  # one request at a time: the update lands in the middle of the run
+    service = InferenceService(client, e, config)
+
+    async def serve():
+        task = asyncio.create_task(service.run(max_rows=len(rows)))
+        await asyncio.sleep(0.3)
+        from meshy.train.models import get_model
+        from meshy.train.parallel import ParallelConfig, build_model, load_weights
+
+        model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig())
+        load_weights(model, ARCH, sharp_weights(1))
+        published = DirectoryPublisher(tmp_path, ARCH, dtype="float32").publish(model, 2)
+        client.append(stream, published.to_message())
+        stats = await asyncio.wait_for(task, 120)
+        await e.close()
+        return stats, published
+
+    stats, published = asyncio.run(serve())
+    assert stats.weight_updates == 1 and stats.versions == [2] and e.weight_version == 2
+    assert directory.is_dir() and isinstance(published, Published)
+    batch = client.lease(name, "check", CHECK, count=6, timeout=5)
+    switches = 0
+    for versions, response in zip(batch.columns[cols.TOKEN_VERSIONS], batch.columns[cols.RESPONSE_IDS], strict=True):
+        v = versions.tolist()
+        assert v == sorted(v) and set(v) <= {1, 2} and len(v) == len(response)
+        switches += len(set(v)) == 2
+    assert stats.continued >= 1 and switches >= 1, "a request spanned the update, its prefix kept version 1"
+    assert any(set(v.tolist()) == {1} for v in batch.columns[cols.TOKEN_VERSIONS])
+    assert any(set(v.tolist()) == {2} for v in batch.columns[cols.TOKEN_VERSIONS])
+
+
+def test_teacher_writes_top_k_at_every_response_position(client, unique):
+    name = table(client, unique)
+    client.put(name, [0, 1], {cols.PROMPT_IDS: [torch.tensor([5, 6, 7]), torch.tensor([9])]})
+    responses = [torch.tensor([10, 11, 12, 13]), torch.zeros(0, dtype=torch.int64)]
+    client.add_columns(name, [0, 1], {cols.RESPONSE_IDS: responses})
+    e = engine()
+
+    async def serve():
+        scored = await TeacherService(client, e, TeacherServiceConfig(table=name, top_k=4)).run(max_rows=2)
+        reference = await e.score([5, 6, 7, 10, 11, 12, 13], top_k=4, start=2)
+        await e.close()
+        return scored, reference
+
+    scored, reference = asyncio.run(serve())
+    assert scored == 2
+    batch = client.lease(name, "check", [cols.TEACHER_TOPK_IDS, cols.TEACHER_TOPK_LOGPROBS], count=2, timeout=5)
+    c = dict(zip(batch.row_ids, range(2), strict=True))
+    ids, logprobs = batch.columns[cols.TEACHER_TOPK_IDS][c[0]], batch.columns[cols.TEACHER_TOPK_LOGPROBS][c[0]]
+    assert ids.shape == (4, 4) and logprobs.shape == (4, 4)
+    assert ids.tolist() == reference.topk_ids and torch.allclose(logprobs, torch.tensor(reference.topk_logprobs))
+    assert batch.columns[cols.TEACHER_TOPK_IDS][c[1]].shape == (0, 4)
