@@ -2,6 +2,7 @@
 
 import asyncio
 
+import pytest
 import torch
 
 from meshy.dataplane import rollout as cols
@@ -68,8 +69,9 @@ def test_inference_writes_responses_and_reports_bad_rows_without_stopping(client
         )
 
 
-def test_a_new_version_mid_generation_is_loaded_and_aborted_requests_continue_from_their_prefix(
-    client, unique, tmp_path
+@pytest.mark.parametrize("update_mode", ["abort", "in_place"])
+def test_a_new_version_mid_generation_is_loaded_and_every_token_keeps_its_version(
+    update_mode, client, unique, tmp_path
 ):
     name = table(client, unique)
     rows = list(range(6))
@@ -77,12 +79,12 @@ def test_a_new_version_mid_generation_is_loaded_and_aborted_requests_continue_fr
     stream = unique("weights")
     config = InferenceServiceConfig(
         table=name,
-        max_new_tokens=100,
+        max_new_tokens=120,
         context_length=128,
         temperature=0.0,
-        stop_token_ids=(),
         weights_stream=stream,
         poll_s=0.05,
+        update_mode=update_mode,
     )
     directory = tmp_path / "v000002"
     e = engine(max_running=1)  # one request at a time: the update lands in the middle of the run
@@ -90,7 +92,9 @@ def test_a_new_version_mid_generation_is_loaded_and_aborted_requests_continue_fr
 
     async def serve():
         task = asyncio.create_task(service.run(max_rows=len(rows)))
-        await asyncio.sleep(0.3)
+        while service.stats.rows < 2:  # two requests done (one at a time): the third is under way
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)
         from meshy.train.models import get_model
         from meshy.train.parallel import ParallelConfig, build_model, load_weights
 
@@ -111,7 +115,8 @@ def test_a_new_version_mid_generation_is_loaded_and_aborted_requests_continue_fr
         v = versions.tolist()
         assert v == sorted(v) and set(v) <= {1, 2} and len(v) == len(response)
         switches += len(set(v)) == 2
-    assert stats.continued >= 1 and switches >= 1, "a request spanned the update, its prefix kept version 1"
+    assert switches >= 1, "a request spanned the update, its prefix kept version 1"
+    assert (stats.continued >= 1) == (update_mode == "abort"), "aborted requests continued from their prefix"
     assert any(set(v.tolist()) == {1} for v in batch.columns[cols.TOKEN_VERSIONS])
     assert any(set(v.tolist()) == {2} for v in batch.columns[cols.TOKEN_VERSIONS])
 

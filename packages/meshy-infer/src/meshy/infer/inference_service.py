@@ -2,9 +2,9 @@
 
 It leases prompts up to `max_in_flight` requests, and for each finished one writes response_ids,
 rollout_logprobs, token_versions, finish_reason and truncated while acking the prompt, in one atomic
-write. When the `weights` stream announces a newer version it pauses the engine, aborts the requests in
-flight, loads the version and resumes; each aborted request continues from its prefix under the new
-weights, so its token_versions record exactly which version produced which token.
+write. When the `weights` stream announces a newer version it pauses the engine, loads the version and
+resumes; requests in flight either go on in place or are aborted and continue from their prefix under
+the new weights (`update_mode`). Either way token_versions record which version produced each token.
 
 A row that cannot be generated (empty prompt, prompt longer than the context, token id outside the
 vocabulary) gets its reason in the `error` column and an empty response, and the service keeps going.
@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 
@@ -30,7 +31,11 @@ FINISH_ERROR = "error"
 @dataclass(frozen=True)
 class InferenceServiceConfig:
     """context_length: prompt + response budget of the engine; a longer prompt is an error row, and
-    max_new_tokens shrinks to fit. seed: per-row seeds derived from it (None: unseeded sampling)."""
+    max_new_tokens shrinks to fit. seed: per-row seeds derived from it (None: unseeded sampling).
+    update_mode: how a new weights version meets requests in flight. "in_place": they keep their cache
+    and go on under the new weights from the next token (cheap; what an engine that updates between
+    decode steps allows). "abort": they are aborted and continue from their prefix, recomputed under the
+    new weights (an exact version boundary; what engines without in-place updates need)."""
 
     table: str = "rollout"
     task: str = "generate"
@@ -42,6 +47,7 @@ class InferenceServiceConfig:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    update_mode: Literal["in_place", "abort"] = "in_place"
     lease_s: float = 600.0
     poll_s: float = 0.2
     weights_stream: str = WEIGHTS_STREAM
@@ -245,9 +251,10 @@ class InferenceService:
         self._updating.clear()
         try:
             await self.engine.pause()
-            for request_id in list(self._requests.values()):
-                self._aborted_for_update.add(request_id)
-                await self.engine.abort(request_id)
+            if self.config.update_mode == "abort":
+                for request_id in list(self._requests.values()):
+                    self._aborted_for_update.add(request_id)
+                    await self.engine.abort(request_id)
             await self.engine.update_weights(published.version, published)
             self.stats.weight_updates += 1
             self.stats.versions.append(published.version)
