@@ -3,8 +3,9 @@
     uv run python bench/async_speedup.py [--steps 40]
 
 Each mode is a real `meshy run` of the embedded default recipe (tiny Qwen3, arithmetic, GRPO), changed
-only in `algorithm.pacing`, with long-tailed responses: max_new_tokens 48, and a young policy ends a
-response wherever it happens to sample EOS, so most responses are short and a few run to the cap.
+only in `algorithm.pacing`, with long-tailed responses: a young policy ends a response wherever it
+happens to sample EOS (about 1 token in 17), so most responses are short and a few run long (with
+max_new_tokens 256, the longest of a batch is typically 5-6 times the mean).
 Wall time is measured from the trainer's start to its last version; busy fractions come from the run's
 own records (trainer: train + publish time; inference: time with at least one request in flight).
 """
@@ -22,9 +23,10 @@ from meshy.recipes.recipe import DEFAULT_RECIPE
 MODES = {"W=1": "1", "W=2": "2", "W=none": '"none"'}
 
 
-def recipe(directory: Path, pacing: str, steps: int) -> Path:
+def recipe(directory: Path, pacing: str, steps: int, max_new_tokens: int) -> Path:
     text = DEFAULT_RECIPE.read_text()
-    for key, value in (("steps", steps), ("pacing", pacing), ("max_new_tokens", 48), ("run_dir", f'"{directory}"')):
+    edits = (("steps", steps), ("pacing", pacing), ("max_new_tokens", max_new_tokens), ("run_dir", f'"{directory}"'))
+    for key, value in edits:
         text, count = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
         assert count == 1, key
     path = directory / "recipe.toml"
@@ -36,10 +38,16 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def measure(pacing: str, steps: int) -> dict:
+def measure(pacing: str, steps: int, max_new_tokens: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        command = [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe(directory, pacing, steps))]
+        command = [
+            sys.executable,
+            "-m",
+            "meshy.recipes.cli",
+            "run",
+            str(recipe(directory, pacing, steps, max_new_tokens)),
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             sys.exit(f"pacing {pacing} failed:\n{result.stderr[-3000:]}")
@@ -66,10 +74,12 @@ def measure(pacing: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
-    results = {name: measure(pacing, args.steps) for name, pacing in MODES.items()}
+    results = {name: measure(MODES[name], args.steps, args.max_new_tokens) for name in args.modes}
     base = results["W=1"]["wall"]
-    print(f"\n{args.steps} versions x 256 samples, qwen3-tiny, max_new_tokens 48, 2-core CPU\n")
+    print(f"\n{args.steps} versions x 256 samples, qwen3-tiny, max_new_tokens {args.max_new_tokens}, 2-core CPU\n")
     columns = (
         "pacing",
         "wall s",
