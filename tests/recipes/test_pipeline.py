@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshy.recipes.recipe import DEFAULT_RECIPE
 from meshy.recipes.roles.rollout import FREE_BATCHES
@@ -98,3 +99,49 @@ def test_a_custom_role_from_a_test_module_writes_its_own_column(tmp_path):
     run_dir = run(small_recipe(tmp_path, "1", top="", tail=extra + columns))
     check_run(run_dir, 0)
     assert records(run_dir, "scorer-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
+
+
+def test_ppo_with_a_critic_values_every_row_and_trains_the_critic(tmp_path):
+    recipe = (
+        small_recipe(tmp_path, "1", tail="\n[roles.critic]\nprocesses = 1\n")
+        .read_text()
+        .replace('kind = "grpo"', 'kind = "ppo"')
+    )
+    (tmp_path / "recipe.toml").write_text(recipe)
+    run_dir = run(tmp_path / "recipe.toml")
+    metrics = check_run(run_dir, 0)
+    assert all(m["rows_trained"] == GROUPS * GROUP for m in metrics), "every row got values, returns, advantages"
+    critic = records(run_dir, "critic-0")
+    assert critic[-1]["valued"] >= STEPS * GROUPS * GROUP
+    steps = [r for r in critic if r["kind"] == "critic_step"]
+    assert len(steps) >= STEPS - 1 and all(torch.isfinite(torch.tensor(r["value_loss"])) for r in steps)
+
+
+def sharp_teacher(root: Path) -> Path:
+    """A Qwen3 teacher with the student's architecture and a peaked output distribution (a scaled final
+    norm), so the student starts far from it."""
+    from meshy.recipes.recipe import load_recipe
+    from meshy.train.parallel import ParallelConfig, build_model
+    from meshy.train.publish import DirectoryPublisher
+
+    arch = load_recipe(DEFAULT_RECIPE).model.arch()
+    model, _ = build_model(arch, ParallelConfig(), seed=123)
+    with torch.no_grad():
+        model.norm.weight.mul_(20.0)
+    return Path(DirectoryPublisher(root, arch, dtype="float32").publish(model, 0).location)
+
+
+def test_online_distillation_pulls_the_student_towards_the_teacher(tmp_path):
+    teacher = sharp_teacher(tmp_path / "teacher")
+    (tmp_path / "run").mkdir()
+    text = small_recipe(tmp_path / "run", "1", tail="\n[roles.teacher]\nprocesses = 1\n").read_text()
+    text = text.replace('kind = "grpo"', 'kind = "distill"').replace(
+        'tis = "none"', 'tis = "none"\npg_coef = 0.0\ndistill_coef = 1.0'
+    )
+    text = text.replace("[model]\n", f'[model]\nteacher = "{teacher}"\n')
+    (tmp_path / "run" / "recipe.toml").write_text(text)
+    run_dir = run(tmp_path / "run" / "recipe.toml")
+    metrics = check_run(run_dir, 0)
+    kl = [m["distill_kl"] for m in metrics]
+    assert kl[-1] < 0.9 * kl[0], kl
+    assert records(run_dir, "teacher-0")[-1]["rows"] >= STEPS * GROUPS * GROUP

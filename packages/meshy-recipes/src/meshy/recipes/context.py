@@ -29,7 +29,7 @@ def rollout_table(recipe: Recipe) -> TableSpec:
     base = cols.rollout_table(
         group_size=recipe.algorithm.group_size,
         teacher_topk=recipe.algorithm.teacher_topk if recipe.algorithm.kind == "distill" else 0,
-        retire_after=(TRAIN_TASK,),
+        retire_after=(TRAIN_TASK, "critic_train") if recipe.algorithm.kind == "ppo" else (TRAIN_TASK,),
     )
     columns = (*base.columns, Column(GROUND_TRUTH, "str"), *recipe.extra_columns)
     return TableSpec(base.name, columns, base.group_size, base.max_row_bytes, base.retire_after)

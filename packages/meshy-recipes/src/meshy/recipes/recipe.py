@@ -114,7 +114,9 @@ class AlgorithmSpec:
     """kind: grpo (group baselines), ppo (a learned critic; needs a critic role) or distill (online
     policy distillation; needs a teacher role). pacing: the window W of rollout ahead of training: 1 is
     on-policy lock-step, k bounded off-policy, "none" fully asynchronous. prompts_per_step: groups per
-    weights version, over all training ranks."""
+    weights version, over all training ranks. ppo: initial_value (the value head's bias, the mean reward),
+    value_clip, gae_k (per-sample GAE lambda = gae_k ** (1 / length)), critic_optim, critic_warmup_versions.
+    distill: teacher_topk ids per token; set loss.distill_coef (and pg_coef 0 for pure distillation)."""
 
     kind: Literal["grpo", "ppo", "distill"] = "grpo"
     group_size: int = 8
@@ -126,6 +128,8 @@ class AlgorithmSpec:
     dynamic_sampling: bool = False
     critic_warmup_versions: int = 0
     initial_value: float = 0.5
+    value_clip: float = 0.2
+    gae_k: float = 0.5
     teacher_topk: int = 8
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -18,7 +18,7 @@ import torch
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.context import GROUND_TRUTH, RoleContext
-from meshy.train.advantages import grpo_advantages
+from meshy.train.advantages import gae, grpo_advantages, sample_lambdas
 
 FREE_BATCHES = 8  # how far ahead a fully asynchronous rollout may run
 
@@ -111,6 +111,8 @@ class RolloutRole:
 
     # ---- advantages ---------------------------------------------------------------------------
     def advantages(self) -> None:
+        if self.ctx.recipe.algorithm.kind == "ppo":
+            return self.critic_advantages()
         client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
         while not self.ctx.stop.is_set():
             batch = client.lease(
@@ -132,3 +134,42 @@ class RolloutRole:
             ]
             client.add_columns(table, batch.row_ids, {cols.ADVANTAGE: per_token}, ack=batch)
             self.ctx.record("advantage", groups=len(batch) // algo.group_size, reward_mean=float(rewards.mean()))
+
+    def critic_advantages(self) -> None:
+        """GAE over the critic's values, outcome reward on the last token, gamma 1, lambda_i = k^(1/L_i);
+        returns are the lambda = 1 targets the critic trains on."""
+        client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
+        while not self.ctx.stop.is_set():
+            batch = client.lease(
+                table,
+                "advantage",
+                [cols.REWARD, cols.RESPONSE_IDS, cols.VALUES],
+                count=64,
+                min_count=1,
+                whole_groups=True,
+                timeout=0.5,
+            )
+            if batch is None:
+                continue
+            responses, values = batch.columns[cols.RESPONSE_IDS], batch.columns[cols.VALUES]
+            lengths = torch.tensor([len(r) for r in responses])
+            width = max(1, int(lengths.max()))
+            mask = torch.arange(width)[None, :] < lengths[:, None]
+            token_rewards, padded_values = torch.zeros(len(responses), width), torch.zeros(len(responses), width)
+            for i, (n, value) in enumerate(zip(lengths.tolist(), values, strict=True)):
+                if n:
+                    token_rewards[i, n - 1] = batch.columns[cols.REWARD][i]
+                    padded_values[i, :n] = value
+            advantage, returns = gae(
+                token_rewards, padded_values, mask.float(), 1.0, sample_lambdas(lengths.clamp(min=1), algo.gae_k)
+            )
+            n = lengths.tolist()
+            client.add_columns(
+                table,
+                batch.row_ids,
+                {
+                    cols.ADVANTAGE: [advantage[i, : n[i]] for i in range(len(n))],
+                    cols.RETURNS: [returns[i, : n[i]] for i in range(len(n))],
+                },
+                ack=batch,
+            )
