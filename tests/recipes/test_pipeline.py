@@ -1,9 +1,13 @@
 """End-to-end runs of the whole pipeline on CPU with `meshy run` (real torchrun, real processes)."""
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +45,7 @@ def run(recipe: Path) -> Path:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, **env},
+        env={**os.environ, **env},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     (run_dir,) = [p for p in recipe.parent.iterdir() if p.is_dir()]
@@ -54,15 +58,17 @@ def records(run_dir: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def check_run(run_dir: Path, max_staleness: int) -> list[dict]:
+def check_run(run_dir: Path, max_staleness: int, resumed_at: int = 0) -> list[dict]:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == list(range(1, STEPS + 1)), "versions strictly increase"
     trained = [r for m in metrics for r in m["row_ids"]]
     dropped = [d["row"] for m in metrics for d in m["dropped"]]
     assert len(trained) + len(dropped) == STEPS * GROUPS * GROUP
     assert len(set(trained + dropped)) == len(trained) + len(dropped), "no row trained twice"
-    generated = records(run_dir, "inference-0")[-1]["rows"]
-    assert len(trained) == sum(m["rows_trained"] for m in metrics) <= generated - len(dropped)
+    assert len(trained) == sum(m["rows_trained"] for m in metrics)
+    generated = records(run_dir, "inference-0")[-1]["rows"]  # by the last (resumed) run
+    since = [m for m in metrics if m["version"] > resumed_at]
+    assert sum(m["rows_trained"] + m["rows_dropped"] for m in since) <= generated
     for m in metrics:
         assert max(int(k.lstrip(">=")) for k in m["staleness_histogram"]) <= max_staleness
     loaded = records(run_dir, "inference-0")[-1]["versions"]
@@ -145,3 +151,50 @@ def test_online_distillation_pulls_the_student_towards_the_teacher(tmp_path):
     kl = [m["distill_kl"] for m in metrics]
     assert kl[-1] < 0.9 * kl[0], kl
     assert records(run_dir, "teacher-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" ", 1)
+        except OSError:
+            continue
+        children.setdefault(int(rest.rsplit(")", 1)[1].split()[1]), []).append(int(pid))
+    tree, i = [root], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint_and_finishes_every_version_once(tmp_path):
+    recipe = small_recipe(tmp_path, "1", top="checkpoint_every = 2\n")
+    command = [sys.executable, "-m", "meshy.recipes.cli", "run"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    crashed = subprocess.Popen([*command, str(recipe)], env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        metrics = None
+        while time.monotonic() < deadline and crashed.poll() is None:
+            metrics = next(tmp_path.glob("*/metrics.jsonl"), None)
+            if metrics is not None and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        assert metrics is not None and crashed.poll() is None, "the run should still be going at version 3"
+    finally:
+        kill_tree(crashed.pid)  # every process of the run at once, as a machine failure would
+        crashed.wait()
+    run_dir = metrics.parent
+    restored = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
+    assert restored >= 2
+    resumed = subprocess.run([*command, "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    metrics = check_run(run_dir, 0, resumed_at=restored)
+    assert [r["version"] for r in records(run_dir, "training-0") if r["kind"] == "train_start"] == [0, restored]
+    for m in metrics:  # the prompt sequence carries on where the checkpoint left it
+        rows = sorted(m["row_ids"] + [d["row"] for d in m["dropped"]])
+        assert rows == list(range((m["version"] - 1) * GROUPS * GROUP, m["version"] * GROUPS * GROUP))

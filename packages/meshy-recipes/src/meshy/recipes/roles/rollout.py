@@ -64,17 +64,25 @@ class RolloutRole:
         ctx, algo = self.ctx, self.ctx.recipe.algorithm
         slot = ctx.slot
         weights = ctx.client.reader(WEIGHTS_STREAM, f"rollout-{slot.index}-pacing", start=1)
-        batch = 0
+        ahead = algo.window if algo.window is not None else FREE_BATCHES
+        latest = batch = None  # batch b is trained into version b + 1
         while not ctx.stop.is_set():
-            weights.read(max_n=1024)
-            published = weights.audit.next_expected - 1  # versions announced so far (v0 included)
-            ahead = algo.window if algo.window is not None else FREE_BATCHES
-            if published == 0 or batch >= published - 1 + ahead:
-                weights.read(max_n=1024, timeout=0.5)  # wait for the next version
+            waiting = latest is None or batch >= latest + ahead  # then block on the next version
+            for message in weights.read(max_n=1024, timeout=0.5 if waiting else 0.0):
+                latest = message.payload["version"]
+                if batch is None:  # the first version announced: 0, or the one a resumed run restored
+                    batch = self._skip_to(latest)
+            if latest is None or batch >= latest + ahead:
                 continue
             self._write_batch(batch)
-            ctx.record("batch", batch=batch, weights_published=published, rows=self.rows_written)
+            ctx.record("batch", batch=batch, latest_version=latest, rows=self.rows_written)
             batch += 1
+
+    def _skip_to(self, version: int) -> int:
+        """Continue the prompt sequence at the batch a run restored at `version` trains next."""
+        for _ in range(version * (self.ctx.recipe.algorithm.prompts_per_step // self.ctx.slot.count)):
+            next(self.problems)
+        return version
 
     def _write_batch(self, batch: int) -> None:
         algo, slot = self.ctx.recipe.algorithm, self.ctx.slot

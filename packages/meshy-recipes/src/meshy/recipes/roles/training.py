@@ -1,5 +1,6 @@
 """The training role: the policy trainer service, from the first weights version to the last."""
 
+import json
 import shutil
 import time
 
@@ -54,11 +55,8 @@ class TrainingRole:
 
     def run(self) -> None:
         ctx, steps = self.ctx, self.ctx.recipe.steps
-        resumed = checkpoint.latest(ctx.run_dir / "checkpoints")
-        if resumed is not None:
-            self.service.version = checkpoint.load(resumed, self.trainer)["version"]
-        else:
-            self.service.publish_initial()
+        self.service.version = self._restore()
+        self.service.publish_initial()
         progress = Progress(ctx.run_dir, steps) if self.lead else None
         ctx.record("train_start", version=self.service.version)
         ring = join_ring(ctx, on_acquire=lambda _: self._move(self.device), on_release=lambda: self._move("cpu"))
@@ -89,6 +87,22 @@ class TrainingRole:
             )
         if dist.is_initialized():
             dist.barrier()
+
+    def _restore(self) -> int:
+        """The version to carry on from: the newest checkpoint's (restored into the trainer), or 0. What a
+        stopped run wrote after that checkpoint (weights versions, metrics lines) is discarded, so the
+        run continues as if it had never stopped; the restored version is then published again."""
+        resumed = checkpoint.latest(self.ctx.run_dir / "checkpoints")
+        version = checkpoint.load(resumed, self.trainer)["version"] if resumed is not None else 0
+        if self.lead:
+            for stale in (self.ctx.run_dir / "weights").glob("v[0-9]*"):
+                if stale.name[1:].isdigit() and int(stale.name[1:]) >= version:
+                    shutil.rmtree(stale)
+            metrics = self.ctx.run_dir / "metrics.jsonl"
+            if metrics.is_file():
+                kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["version"] <= version]
+                metrics.write_text("".join(f"{line}\n" for line in kept))
+        return version
 
     def _move(self, device: str) -> None:
         """Offload to host memory while another role holds the devices, and back (a no-op move on CPU)."""
