@@ -94,6 +94,17 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
     assert seqs == list(range(1, len(seqs) + 1)), "grants are contiguous and each taken once"
     assert sum(g["holder"] == "training" for g in grants) == STEPS  # the trainer held the devices for each step
     assert all(g["payload"]["version"] >= 1 for g in grants if g["holder"] == "inference" and g["payload"])
+    audit = subprocess.run(
+        [sys.executable, "-m", "meshy.recipes.cli", "inspect", str(run_dir)], capture_output=True, text=True, timeout=60
+    )
+    assert audit.returncode == 0, audit.stderr
+    lines = audit.stdout.splitlines()
+    assert (
+        f"weights versions trained and published: {STEPS} (v1..v{STEPS})  gaps []  duplicates 0  reordered 0" in lines
+    )
+    assert f"'training': {STEPS}" in next(line for line in lines if line.startswith("ring "))
+    assert re.search(r"^staleness of trained tokens \(versions behind\): 0: \d+ \(100\.0%\)$", audit.stdout, re.M)
+    assert f"rows trained {STEPS * GROUPS * GROUP}, dropped 0" in lines
 
 
 def test_a_custom_role_from_a_test_module_writes_its_own_column(tmp_path):

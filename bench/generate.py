@@ -1,0 +1,156 @@
+"""TorchEngine against Hugging Face `transformers` generate, in one run, on this machine.
+
+    uv run python bench/generate.py [--requests 64] [--batch 16] [--prompt 32] [--response 128]
+
+Both load the same published HF directory (random weights, fp32, EOS disabled so every request runs to
+its own budget) and sample with temperature 1, no top-k/top-p. Each model gets `--requests` prompts
+with at most `--batch` generating at once: HF `generate` takes them in static batches of `--batch`
+(left-padded), TorchEngine takes them all and keeps `--batch` running (continuous batching).
+
+- equal: every prompt `--prompt` tokens, every response `--response` tokens.
+- mixed: prompt lengths spread over [prompt/4, prompt], response budgets over [response/8, response].
+  A static batch decodes until its longest member is done (what a batch does when its members hit EOS
+  at different steps); the engine frees a finished request's slot and admits the next at once.
+
+Tokens/s counts the tokens the requests asked for (the same for both), over wall time after a warm-up.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from meshy.infer.engine import SamplingParams
+from meshy.infer.torch_engine import TorchEngine
+from meshy.train.models import LLAMA, DecoderArch, get_model
+from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.publish import DirectoryPublisher
+
+# The shape of SmolLM-135M, a ~135M-parameter Llama-architecture model.
+LLAMA_135M = DecoderArch(
+    LLAMA,
+    576,
+    1536,
+    30,
+    9,
+    3,
+    head_dim=64,
+    vocab_size=49152,
+    rope_theta=1e4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MODELS = {"qwen3-tiny": get_model("qwen3-tiny"), "llama-135m": LLAMA_135M}
+
+
+def publish(arch: DecoderArch, root: Path) -> Path:
+    model, _ = build_model(arch, ParallelConfig(), seed=0)
+    directory = Path(DirectoryPublisher(root, arch, dtype="float32").publish(model, 0).location)
+    config = json.loads((directory / "config.json").read_text())
+    config["eos_token_id"] = None  # every request runs to its own budget in both engines
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def workload(kind: str, args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(args.requests):
+        if kind == "equal":
+            prompt, response = args.prompt, args.response
+        else:
+            prompt = rng.randint(args.prompt // 4, args.prompt)
+            response = rng.randint(args.response // 8, args.response)
+        out.append(([rng.randrange(3, vocab) for _ in range(prompt)], response))
+    return out
+
+
+def run_hf(model: torch.nn.Module, requests: list[tuple[list[int], int]], batch: int) -> None:
+    for start in range(0, len(requests), batch):
+        chunk = requests[start : start + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        budget = max(n for _, n in chunk)
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=budget,
+                min_new_tokens=budget,
+                pad_token_id=0,
+            )
+
+
+async def run_engine(engine: TorchEngine, requests: list[tuple[list[int], int]]) -> None:
+    calls = [
+        engine.generate(f"r{i}", prompt, SamplingParams(max_new_tokens=n, seed=i))
+        for i, (prompt, n) in enumerate(requests)
+    ]
+    outputs = await asyncio.gather(*calls)
+    assert [len(o.output_ids) for o in outputs] == [n for _, n in requests]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    fn()  # warm-up (allocations, first-call dispatch)
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]:
+    hf = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    engine = TorchEngine(directory, max_running=args.batch, max_len=args.prompt + args.response, dtype="float32")
+    loop = asyncio.new_event_loop()
+    rows = []
+    try:
+        for kind in ("equal", "mixed"):
+            requests = workload(kind, args, hf.config.vocab_size)
+            tokens = sum(n for _, n in requests)
+            hf_s = timed(partial(run_hf, hf, requests, args.batch))
+            engine_s = timed(lambda r=requests: loop.run_until_complete(run_engine(engine, r)))
+            rows.append((name, kind, tokens, tokens / hf_s, tokens / engine_s, hf_s / engine_s))
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--response", type=int, default=128)
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            rows += compare(name, publish(MODELS[name], Path(tmp) / name), args)
+    print(
+        f"\nTorchEngine vs HF generate: {args.requests} requests, batch {args.batch}, prompt <= {args.prompt}, "
+        f"response <= {args.response}, fp32, {torch.get_num_threads()} threads\n"
+    )
+    print("| model | lengths | tokens | HF tok/s | TorchEngine tok/s | speedup |\n|---|---|---|---|---|---|")
+    for name, kind, tokens, hf_rate, engine_rate, speedup in rows:
+        print(f"| {name} | {kind} | {tokens} | {hf_rate:.0f} | {engine_rate:.0f} | {speedup:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
