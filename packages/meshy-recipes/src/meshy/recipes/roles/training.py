@@ -57,7 +57,7 @@ class TrainingRole:
         ctx, steps = self.ctx, self.ctx.recipe.steps
         self.service.version = self._restore()
         self.service.publish_initial()
-        progress = Progress(ctx.run_dir, steps) if self.lead else None
+        progress = Progress(ctx.run_dir, steps, self._metrics()) if self.lead else None
         ctx.record("train_start", version=self.service.version)
         ring = join_ring(ctx, on_acquire=lambda _: self._move(self.device), on_release=lambda: self._move("cpu"))
         try:
@@ -98,11 +98,13 @@ class TrainingRole:
             for stale in (self.ctx.run_dir / "weights").glob("v[0-9]*"):
                 if stale.name[1:].isdigit() and int(stale.name[1:]) >= version:
                     shutil.rmtree(stale)
-            metrics = self.ctx.run_dir / "metrics.jsonl"
-            if metrics.is_file():
-                kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["version"] <= version]
-                metrics.write_text("".join(f"{line}\n" for line in kept))
+            kept = [m for m in self._metrics() if m["version"] <= version]
+            (self.ctx.run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
         return version
+
+    def _metrics(self) -> list[dict]:
+        path = self.ctx.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
     def _move(self, device: str) -> None:
         """Offload to host memory while another role holds the devices, and back (a no-op move on CPU)."""
