@@ -262,6 +262,23 @@ MODELS: dict[str, DecoderArch] = {
     ),
     "minicpm5-1b": _minicpm5(1536, 4608, 24),
     "minicpm5-2b": _minicpm5(2048, 6144, 42),
+    # SmolLM2-135M(-Instruct): Llama, the MiniCPM5 code path at a size real weights fit on CPU tests.
+    "smollm2-135m": DecoderArch(
+        LLAMA,
+        576,
+        1536,
+        30,
+        9,
+        3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=1e5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+    ),
 }
 ALIASES = {"minicpm5-2.6b": "minicpm5-2b"}  # public configs name the 2B model "2.6B"
 
