@@ -134,6 +134,23 @@ def test_ppo_with_a_critic_values_every_row_and_trains_the_critic(tmp_path):
     assert len(steps) >= STEPS - 1 and all(torch.isfinite(torch.tensor(r["value_loss"])) for r in steps)
 
 
+def test_dynamic_sampling_skips_whole_uniform_groups_and_counts_them_as_dropped(tmp_path):
+    text = small_recipe(tmp_path, "1").read_text()
+    text = text.replace('kind = "grpo"', 'kind = "grpo"\ndynamic_sampling = true\noverlong_buffer = 1')
+    (tmp_path / "recipe.toml").write_text(text)
+    metrics = check_run(run(tmp_path / "recipe.toml"), 0)
+    dropped = [d for m in metrics for d in m["dropped"]]
+    assert dropped, "a tiny model from scratch has uniform groups"
+    assert {d["reason"] for d in dropped} == {
+        "no advantage: rollout skipped it (dynamic sampling: its group's rewards are all equal)"
+    }
+    groups = {}
+    for d in dropped:
+        groups.setdefault(d["row"] // GROUP, set()).add(d["row"])
+    assert all(len(rows) == GROUP for rows in groups.values()), "whole groups are skipped"
+    assert sum(m["rows_trained"] for m in metrics) > 0
+
+
 def sharp_teacher(root: Path) -> Path:
     """A Qwen3 teacher with the student's architecture and a peaked output distribution (a scaled final
     norm), so the student starts far from it."""

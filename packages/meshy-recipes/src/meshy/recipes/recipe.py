@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from meshy.dataplane import Column, DataPlaneConfig, SchemaError
 from meshy.dataplane.fields import check_fields
+from meshy.recipes.pretrained import check_init
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig
 from meshy.train.trainer import LossConfig, OptimConfig
@@ -71,8 +72,9 @@ class RolesSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """name: a meshy.train model. init: "scratch" or an HF directory. overrides: architecture fields to
-    change (e.g. vocab_size for a task tokenizer). teacher: the teacher's HF directory (distillation)."""
+    """name: a meshy.train model. init: "scratch", an HF directory or "gguf:<name>" (meshy.recipes.pretrained)
+    whose weights the first version starts from. overrides: architecture fields to change (e.g. vocab_size
+    for a task tokenizer). teacher: the teacher's HF directory (distillation)."""
 
     name: str = "qwen3-tiny"
     init: str = "scratch"
@@ -81,7 +83,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        self.arch()  # unknown model names and override fields fail here
+        check_init(self.init, self.arch())  # unknown model names and override fields fail here too
 
     def arch(self):
         arch = get_model(self.name)
@@ -116,7 +118,11 @@ class AlgorithmSpec:
     on-policy lock-step, k bounded off-policy, "none" fully asynchronous. prompts_per_step: groups per
     weights version, over all training ranks. ppo: initial_value (the value head's bias, the mean reward),
     value_clip, gae_k (per-sample GAE lambda = gae_k ** (1 / length)), critic_optim, critic_warmup_versions.
-    distill: teacher_topk ids per token; set loss.distill_coef (and pg_coef 0 for pure distillation)."""
+    distill: teacher_topk ids per token; set loss.distill_coef (and pg_coef 0 for pure distillation).
+    dynamic_sampling: rows of a group whose rewards are all equal are not trained (counted as dropped).
+    overlong_buffer: DAPO soft overlong penalty over the last overlong_buffer tokens of max_new_tokens,
+    falling to -overlong_factor (GRPO: added to the reward; PPO: to the advantages after GAE, tail
+    only, so the critic never learns it). 0 turns it off."""
 
     kind: Literal["grpo", "ppo", "distill"] = "grpo"
     group_size: int = 8
@@ -126,6 +132,8 @@ class AlgorithmSpec:
     minibatches: int = 1
     scale_by_std: bool = True
     dynamic_sampling: bool = False
+    overlong_buffer: int = 0
+    overlong_factor: float = 1.0
     critic_warmup_versions: int = 0
     initial_value: float = 0.5
     value_clip: float = 0.2
@@ -142,6 +150,10 @@ class AlgorithmSpec:
             raise SchemaError(f"group_size, prompts_per_step and minibatches must be >= 1: {self}")
         if not (self.pacing == "none" or (isinstance(self.pacing, int) and self.pacing >= 1)):
             raise SchemaError(f'pacing: expected an int >= 1 or "none", got {self.pacing!r}')
+        if self.overlong_buffer < 0 or self.overlong_factor < 0:
+            raise SchemaError(
+                f"overlong_buffer, overlong_factor: expected >= 0, got {self.overlong_buffer}, {self.overlong_factor}"
+            )
 
     @property
     def window(self) -> int | None:
@@ -195,6 +207,11 @@ class Recipe:
             raise SchemaError('algorithm.kind: "ppo" trains a learned critic; add a [roles.critic] section')
         if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
             raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
+        if self.algorithm.overlong_buffer > self.sampling.max_new_tokens:
+            raise SchemaError(
+                f"algorithm.overlong_buffer: expected <= sampling.max_new_tokens ({self.sampling.max_new_tokens}), "
+                f"got {self.algorithm.overlong_buffer}"
+            )
         if self.algorithm.prompts_per_step % self.roles.training.processes:
             raise SchemaError(
                 f"algorithm.prompts_per_step: {self.algorithm.prompts_per_step} groups do not split evenly "

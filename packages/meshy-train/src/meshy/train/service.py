@@ -241,6 +241,8 @@ class TrainingService:
             reason = None
             if n == 0:
                 reason = "empty response"
+            elif len(per_token[cols.ADVANTAGE]) == 0:
+                reason = "no advantage: rollout skipped it (dynamic sampling: its group's rewards are all equal)"
             for name, value in per_token.items():
                 if reason is None and len(value) != n:
                     reason = f"column {name} has {len(value)} entries for {n} response tokens"

@@ -5,7 +5,8 @@ Pacing: after the trainer has published g versions (v0 included), rollout may ha
 lock-step, W = k lets rollout run k - 1 versions ahead, W = "none" is bounded only by `FREE_BATCHES`
 batches in flight.
 
-Rewards are per row; advantages need whole groups (GRPO: the group's mean, optionally its std).
+Rewards are per row; advantages need whole groups (GRPO: the group's mean, optionally its std). A row
+the trainer should skip (dynamic sampling: its group's rewards are all equal) gets an empty advantage.
 """
 
 import importlib
@@ -18,7 +19,14 @@ import torch
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.context import GROUND_TRUTH, RoleContext
-from meshy.train.advantages import gae, grpo_advantages, sample_lambdas
+from meshy.train.advantages import (
+    dapo_overlong_penalty,
+    drop_uniform_groups,
+    gae,
+    grpo_advantages,
+    sample_lambdas,
+    tail_overlong_bonus,
+)
 
 FREE_BATCHES = 8  # how far ahead a fully asynchronous rollout may run
 
@@ -134,11 +142,14 @@ class RolloutRole:
             )
             if batch is None:
                 continue
-            rewards = batch.columns[cols.REWARD].view(-1, algo.group_size)
+            responses = batch.columns[cols.RESPONSE_IDS]
+            rewards = batch.columns[cols.REWARD] + self._overlong_penalty(responses)
+            rewards = rewards.view(-1, algo.group_size)
             advantage = grpo_advantages(rewards, scale_by_std=algo.scale_by_std).view(-1)
+            trained = self._trained_rows(rewards)
             per_token = [
-                torch.full((len(r),), float(a))
-                for r, a in zip(batch.columns[cols.RESPONSE_IDS], advantage, strict=True)
+                torch.full((len(r) if keep else 0,), float(a))
+                for r, a, keep in zip(responses, advantage, trained, strict=True)
             ]
             client.add_columns(table, batch.row_ids, {cols.ADVANTAGE: per_token}, ack=batch)
             self.ctx.record("advantage", groups=len(batch) // algo.group_size, reward_mean=float(rewards.mean()))
@@ -171,13 +182,31 @@ class RolloutRole:
             advantage, returns = gae(
                 token_rewards, padded_values, mask.float(), 1.0, sample_lambdas(lengths.clamp(min=1), algo.gae_k)
             )
+            if algo.overlong_buffer:
+                advantage = tail_overlong_bonus(advantage, mask.float(), self._overlong_penalty(responses))
+            trained = self._trained_rows(batch.columns[cols.REWARD].view(-1, algo.group_size))
             n = lengths.tolist()
             client.add_columns(
                 table,
                 batch.row_ids,
-                {
-                    cols.ADVANTAGE: [advantage[i, : n[i]] for i in range(len(n))],
+                {  # the critic learns from every row; the policy skips those dynamic sampling drops
+                    cols.ADVANTAGE: [advantage[i, : n[i] if trained[i] else 0] for i in range(len(n))],
                     cols.RETURNS: [returns[i, : n[i]] for i in range(len(n))],
                 },
                 ack=batch,
             )
+
+    def _overlong_penalty(self, responses: list[torch.Tensor]) -> torch.Tensor:
+        algo = self.ctx.recipe.algorithm
+        if not algo.overlong_buffer:
+            return torch.zeros(len(responses))
+        lengths = torch.tensor([len(r) for r in responses])
+        max_length = self.ctx.recipe.sampling.max_new_tokens
+        return dapo_overlong_penalty(lengths, max_length, algo.overlong_buffer, algo.overlong_factor)
+
+    def _trained_rows(self, rewards: torch.Tensor) -> list[bool]:
+        """Per row: whether the trainer should learn from it (dynamic sampling skips uniform groups)."""
+        if not self.ctx.recipe.algorithm.dynamic_sampling:
+            return [True] * rewards.numel()
+        keep, _ = drop_uniform_groups(rewards)
+        return keep.repeat_interleave(rewards.shape[1]).tolist()
