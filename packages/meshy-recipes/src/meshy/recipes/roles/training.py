@@ -8,11 +8,13 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane.weights import WEIGHTS_STREAM
+from meshy.infer.torch_engine import read_model
 from meshy.recipes.colocation import join_ring
 from meshy.recipes.context import TRAIN_TASK, RoleContext, announce_stop
+from meshy.recipes.pretrained import SCRATCH, resolve
 from meshy.recipes.progress import Progress
 from meshy.train import checkpoint
-from meshy.train.parallel import build_model
+from meshy.train.parallel import build_model, load_weights
 from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyTrainer
@@ -89,11 +91,18 @@ class TrainingRole:
             dist.barrier()
 
     def _restore(self) -> int:
-        """The version to carry on from: the newest checkpoint's (restored into the trainer), or 0. What a
-        stopped run wrote after that checkpoint (weights versions, metrics lines) is discarded, so the
-        run continues as if it had never stopped; the restored version is then published again."""
+        """The version to carry on from: the newest checkpoint's (restored into the trainer), or 0 (with
+        the recipe's initial weights loaded, unless it starts from scratch). What a stopped run wrote after
+        that checkpoint (weights versions, metrics lines) is discarded, so the run continues as if it had
+        never stopped; the restored version is then published again."""
         resumed = checkpoint.latest(self.ctx.run_dir / "checkpoints")
-        version = checkpoint.load(resumed, self.trainer)["version"] if resumed is not None else 0
+        if resumed is not None:
+            version = checkpoint.load(resumed, self.trainer)["version"]
+        else:
+            version = 0
+            if self.ctx.recipe.model.init != SCRATCH:
+                _, tensors = read_model(resolve(self.ctx.recipe.model.init))
+                load_weights(self.trainer.model, self.arch, tensors)
         if self.lead:
             for stale in (self.ctx.run_dir / "weights").glob("v[0-9]*"):
                 if stale.name[1:].isdigit() and int(stale.name[1:]) >= version:

