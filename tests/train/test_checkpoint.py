@@ -5,9 +5,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from meshy.dataplane import SchemaError
 from meshy.train import checkpoint
+from meshy.train.checkpoint import CorruptCheckpoint
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.trainer import LossConfig, OptimConfig, PolicyTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,12 +27,84 @@ def run(mode: str, tmp_path: Path) -> dict:
 
 def test_resuming_a_two_rank_fsdp_trainer_reproduces_the_next_steps_bit_for_bit(tmp_path):
     trained = run("train", tmp_path)
-    assert checkpoint.latest(tmp_path / "ckpt").name == "step-00000002"
+    saved = checkpoint.latest(tmp_path / "ckpt")
+    assert saved.name == "step-00000002"
+    manifest = json.loads((saved / checkpoint.MANIFEST).read_text())["files"]
+    assert sorted(manifest) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks' files
+    assert all(manifest[name]["bytes"] == (saved / name).stat().st_size for name in manifest)
     resumed = run("resume", tmp_path)
+    assert resumed.pop("refused") == f"checkpoint {tmp_path / 'corrupt'}: __1_0.distcp: checksum mismatch" + (
+        " (xxh3-128 differs from the manifest's)"
+    )
     assert resumed == trained  # losses of steps 3 and 4, step count and learning rate: identical floats
 
 
 def test_an_incomplete_checkpoint_is_refused(tmp_path):
     (tmp_path / "step-00000005").mkdir()
-    with pytest.raises(SchemaError, match="not a complete DCP checkpoint"):
+    with pytest.raises(CorruptCheckpoint, match="step-00000005: missing manifest manifest.json"):
         checkpoint.load(tmp_path / "step-00000005", trainer=None)
+    with pytest.raises(CorruptCheckpoint, match="step-00000006: no such directory"):
+        checkpoint.load(tmp_path / "step-00000006", trainer=None)
+
+
+def trainer(seed: int) -> PolicyTrainer:
+    model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig(), seed=seed)
+    return PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig())
+
+
+def parameters(trainer: PolicyTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def flip_middle_bit(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def truncate(file: Path, size: int = 1000) -> None:
+    assert file.stat().st_size > size
+    file.write_bytes(file.read_bytes()[:size])
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "error"),
+    [
+        (lambda ckpt: (ckpt / "__0_0.distcp").unlink(), r"__0_0.distcp is missing"),
+        (lambda ckpt: truncate(ckpt / "__0_0.distcp"), r"__0_0.distcp is truncated: size 1000 of \d+ bytes"),
+        (lambda ckpt: truncate(ckpt / ".metadata"), r"\.metadata is truncated: size 1000 of \d+ bytes"),
+        (lambda ckpt: (ckpt / ".metadata").write_bytes(b"x" * 10**6), r"\.metadata has grown: size 1000000 of"),
+        (lambda ckpt: flip_middle_bit(ckpt / "__0_0.distcp"), r"__0_0.distcp: checksum mismatch"),
+        (lambda ckpt: (ckpt / checkpoint.MANIFEST).unlink(), r"missing manifest manifest.json"),
+        (lambda ckpt: truncate(ckpt / checkpoint.MANIFEST, 20), r"manifest.json is unreadable \(JSONDecodeError"),
+        (lambda ckpt: (ckpt / checkpoint.MANIFEST).write_text('{"files": {}}'), r"manifest.json is unreadable"),
+    ],
+    ids=[
+        "missing",
+        "truncated",
+        "metadata-truncated",
+        "metadata-grown",
+        "bit-flip",
+        "no-manifest",
+        "torn-manifest",
+        "empty-manifest",
+    ],
+)
+def test_a_corrupt_checkpoint_is_refused_before_anything_is_loaded(tmp_path, corrupt, error):
+    saved = trainer(seed=0)
+    path = checkpoint.save(tmp_path, 3, saved, {"version": 3})
+    corrupt(path)
+    fresh = trainer(seed=1)
+    before = parameters(fresh)
+    assert not torch.equal(before[0], parameters(saved)[0])  # so a load would show
+    with pytest.raises(CorruptCheckpoint, match=f"checkpoint {path}: {error}"):
+        checkpoint.load(path, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(parameters(fresh), before, strict=True))
+
+
+def test_a_sound_checkpoint_loads_after_verification(tmp_path):
+    saved = trainer(seed=0)
+    path = checkpoint.save(tmp_path, 3, saved, {"version": 3})
+    fresh = trainer(seed=1)
+    assert checkpoint.load(path, fresh) == {"version": 3}
+    assert all(torch.equal(a, b) for a, b in zip(parameters(fresh), parameters(saved), strict=True))

@@ -3,8 +3,13 @@ scheduler, step, every rank's RNG state and the data-plane cursors the caller ha
 
 A checkpoint is written under a temporary name and renamed once every rank has finished, so
 `latest` never returns a half-written one. Resuming from it reproduces the next step bit for bit.
+
+Before the rename, a manifest records every file's size and xxh3-128 hash (each rank hashes a share of
+the files, whichever rank wrote them). `load` checks the manifest before it reads anything, so a torn,
+truncated or bit-rotted checkpoint raises CorruptCheckpoint and leaves the trainer untouched.
 """
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -13,16 +18,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from meshy.dataplane import SchemaError
+from meshy.dataplane.errors import DataPlaneError
 from meshy.train.trainer import PolicyTrainer
 
 _PREFIX = "step-"
+MANIFEST = "manifest.json"
+_CHUNK = 16 << 20
+
+
+class CorruptCheckpoint(DataPlaneError):
+    """A checkpoint whose files are missing, truncated or do not match its manifest; nothing was loaded."""
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _from_rank0(value: Any) -> Any:
+    if _world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(local: dict) -> dict:
+    """The union of every rank's dict, on every rank."""
+    if _world() == 1:
+        return local
+    parts: list[dict] = [{}] * _world()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def _barrier() -> None:
@@ -54,7 +87,10 @@ def save(root: str | Path, step: int, trainer: PolicyTrainer, cursors: dict[str,
     _barrier()
     dcp.save(_state(trainer, cursors), checkpoint_id=str(tmp))
     _barrier()
+    names = _from_rank0(sorted(p.name for p in tmp.iterdir() if p.is_file()) if _rank() == 0 else None)
+    files = _gather({name: _file_entry(tmp / name) for name in names[_rank() :: _world()]})
     if _rank() == 0:
+        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -71,8 +107,7 @@ def latest(root: str | Path) -> Path | None:
 def load(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
     """Restore a trainer in place (model, optimizer, scheduler, step, RNG); returns the saved cursors."""
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise SchemaError(f"checkpoint {path}: not a complete DCP checkpoint (no .metadata)")
+    verify(path)
     state = _state(trainer, {})
     rng_key = f"rng_rank{_rank()}"
     state["cursors"] = _saved_cursors(path)
@@ -91,3 +126,65 @@ def _saved_cursors(path: Path) -> dict[str, Any]:
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     keys = [k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith("cursors.")]
     return dict.fromkeys(keys)
+
+
+def verify(path: str | Path) -> None:
+    """Raise CorruptCheckpoint, on every rank, unless every file in the manifest is there with its size
+    and hash. Each rank checks a share of the files; the first problem found (by file name) is raised."""
+    path = Path(path)
+    try:
+        files = _read_manifest(path)
+        names = sorted(files)
+        problems = {name: _problem(path / name, files[name]) for name in names[_rank() :: _world()]}
+    except CorruptCheckpoint as e:
+        problems = {"": str(e)}
+    problems = {name: problem for name, problem in _gather(problems).items() if problem is not None}
+    if problems:
+        first = min(problems)
+        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+        raise CorruptCheckpoint(f"checkpoint {path}: {problems[first]}{more}")
+
+
+def _file_entry(file: Path) -> dict[str, Any]:
+    digest, size = xxhash.xxh3_128(), 0
+    with file.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "xxh3_128": digest.hexdigest()}
+
+
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's files; its problems raise CorruptCheckpoint with a message `verify` completes."""
+    if not path.is_dir():
+        raise CorruptCheckpoint("no such directory")
+    try:
+        data = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"missing manifest {MANIFEST} (an incomplete checkpoint)") from None
+    try:
+        files = json.loads(data)["files"]
+        if not (isinstance(files, dict) and ".metadata" in files):
+            raise ValueError("expected a files table with a .metadata entry")
+        for name, entry in files.items():
+            if not (isinstance(entry["bytes"], int) and isinstance(entry["xxh3_128"], str)):
+                raise ValueError(f"entry of {name!r}: expected bytes (int) and xxh3_128 (str), got {entry!r}")
+    except (ValueError, TypeError, KeyError) as e:
+        raise CorruptCheckpoint(f"{MANIFEST} is unreadable ({e!r})") from None
+    return files
+
+
+def _problem(file: Path, expected: dict[str, Any]) -> str | None:
+    """What is wrong with one file, or None."""
+    try:
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            kind = "is truncated" if size < expected["bytes"] else "has grown"
+            return f"{file.name} {kind}: size {size} of {expected['bytes']} bytes"
+        if _file_entry(file)["xxh3_128"] != expected["xxh3_128"]:
+            return f"{file.name}: checksum mismatch (xxh3-128 differs from the manifest's)"
+    except FileNotFoundError:
+        return f"{file.name} is missing"
+    except OSError as e:
+        return f"{file.name} is unreadable: {e}"
+    return None
