@@ -1,5 +1,6 @@
 import asyncio
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from meshy.dataplane import SchemaError
 from meshy.dataplane.weights import CorruptWeights, read_published
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
-from meshy.infer.torch_engine import TorchEngine
+from meshy.infer.torch_engine import TorchEngine, read_model
 from meshy.infer.torch_model import ModelConfig, load_model
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
@@ -141,6 +142,80 @@ async def test_a_corrupt_or_mismatched_version_leaves_the_old_weights(tmp_path):
     assert engine.weight_version == 1
     assert torch.equal(await scores(engine, tokens), before)
     await engine.close()
+
+
+def truncated(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def bit_flipped(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x04  # in the tensors' bytes: the header is a few KiB of a 400 KiB file
+    return bytes(flipped)
+
+
+def damage(file, how) -> None:
+    file.write_bytes(how(file.read_bytes()))
+
+
+@pytest.mark.parametrize(
+    ("how", "error"),
+    [(truncated, r"v2: model.safetensors is unreadable: .*incomplete metadata"), (bit_flipped, r"v2 at .*: checksum")],
+)
+@async_case
+async def test_a_damaged_published_version_is_refused_whole(tmp_path, how, error):
+    _, first = publish(tmp_path, "qwen3-tiny", seed=7, version=1, keep=3)
+    _, second = publish(tmp_path, "qwen3-tiny", seed=8, version=2, keep=3)
+    damage(tmp_path / "v000002" / "model.safetensors", how)
+    with pytest.raises(CorruptWeights, match=error):
+        TorchEngine(second)
+    engine = TorchEngine(first)
+    tokens = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    before, reference = await scores(engine, tokens), await engine.generate("a", prompt(30), greedy(8))
+    with pytest.raises(CorruptWeights, match=error):
+        await engine.update_weights(2, second)
+    assert engine.weight_version == 1
+    assert torch.equal(await scores(engine, tokens), before)
+    after = await engine.generate("b", prompt(30), greedy(8))
+    assert after.output_ids == reference.output_ids and set(after.token_versions) == {1}
+    await engine.close()
+
+
+def garbled_header(data: bytes) -> bytes:
+    header = int.from_bytes(data[:8], "little")
+    return data[:8] + bytes(b ^ 0x55 for b in data[8 : 8 + header]) + data[8 + header :]
+
+
+@pytest.mark.parametrize(
+    ("file", "how", "error"),
+    [
+        ("model.safetensors", truncated, "incomplete metadata"),
+        ("model.safetensors", lambda data: data[:1000], "invalid header length"),  # cut inside the header
+        ("model.safetensors", lambda data: b"", "header too small"),
+        ("model.safetensors", garbled_header, "invalid JSON in header"),
+        ("model.safetensors", lambda data: (2**40).to_bytes(8, "little") + data[8:], "header too large"),
+        ("config.json", truncated, "not valid JSON"),
+        ("config.json", lambda data: b"\xff\xfe" + data, "not valid JSON"),
+        ("config.json", lambda data: b"[1, 2]", "expected a JSON object, got list"),
+    ],
+    ids=[
+        "truncated",
+        "cut-header",
+        "empty",
+        "garbled-header",
+        "huge-header-length",
+        "torn-config",
+        "binary-config",
+        "config-list",
+    ],
+)
+def test_a_damaged_hf_directory_names_the_file(tmp_path, file, how, error):
+    _, published = publish(tmp_path, "qwen3-tiny", seed=7)
+    directory = Path(published.location)
+    damage(directory / file, how)
+    for load in (read_model, TorchEngine):
+        with pytest.raises(SchemaError, match=f"model source {directory / file}: .*{error}"):
+            load(directory)
 
 
 def test_weights_that_do_not_fit_name_the_tensor(weights):

@@ -65,6 +65,20 @@ def test_sharded_versions_are_atomic_announced_pruned_and_verified(client, uniqu
         read_published(latest)
 
 
+@pytest.mark.parametrize("damage", ["torn", "missing"])
+def test_a_published_config_json_outside_the_checksum_is_still_checked(tmp_path, damage):
+    arch = get_model("qwen3-tiny")
+    model, _ = build_model(arch, ParallelConfig(), seed=1)
+    published = DirectoryPublisher(tmp_path, arch, dtype="float32").publish(model, 4)
+    config = tmp_path / "v000004" / "config.json"
+    if damage == "torn":
+        config.write_text(config.read_text()[:40])
+    else:
+        config.unlink()
+    with pytest.raises(CorruptWeights, match="weights v4: config.json is unreadable"):
+        read_published(published)
+
+
 def test_shared_memory_versions_round_trip_and_are_unlinked(unique):
     arch = get_model("qwen3-tiny")
     model, _ = build_model(arch, ParallelConfig(), seed=4)

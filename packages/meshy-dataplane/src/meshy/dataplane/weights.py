@@ -88,7 +88,11 @@ def read_published(published: Published) -> tuple[dict, dict[str, torch.Tensor]]
                 raise CorruptWeights(f"weights v{published.version}: {shard.name} is unreadable: {e}") from None
         if tensors_checksum(tensors) != published.checksum:
             raise CorruptWeights(f"weights v{published.version} at {directory}: checksum mismatch")
-        return json.loads((directory / "config.json").read_text()), tensors
+        try:  # not covered by the checksum
+            config = json.loads((directory / "config.json").read_bytes())
+        except (OSError, ValueError) as e:
+            raise CorruptWeights(f"weights v{published.version}: config.json is unreadable: {e}") from None
+        return config, tensors
     if published.format == SHARED_MEMORY:
         return _read_shared_memory(published)
     raise SchemaError(f"weights v{published.version}: format {published.format!r} is not {DISK} or {SHARED_MEMORY}")

@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from meshy.dataplane import SchemaError
@@ -56,10 +57,24 @@ def read_model(source: ModelSource) -> tuple[dict, Mapping[str, torch.Tensor]]:
     shards = sorted(directory.glob("*.safetensors"))
     if not (directory / "config.json").is_file() or not shards:
         raise SchemaError(f"model source {directory}: expected config.json and *.safetensors in a directory")
+    config = _config_json(directory / "config.json")
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        tensors.update(load_file(shard))
-    return json.loads((directory / "config.json").read_text()), tensors
+        try:
+            tensors.update(load_file(shard))
+        except (SafetensorError, OSError) as e:  # a truncated or garbled file: no checksum to tell us more
+            raise SchemaError(f"model source {shard}: not a readable safetensors file ({e})") from None
+    return config, tensors
+
+
+def _config_json(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise SchemaError(f"model source {path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise SchemaError(f"model source {path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 @dataclass(eq=False)
