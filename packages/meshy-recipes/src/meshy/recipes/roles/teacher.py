@@ -5,6 +5,7 @@ import asyncio
 from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
 from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.context import RoleContext
+from meshy.recipes.pretrained import resolve
 
 
 class TeacherRole:
@@ -18,7 +19,7 @@ class TeacherRole:
     async def _serve(self) -> None:
         ctx, recipe = self.ctx, self.ctx.recipe
         engine = TorchEngine(
-            recipe.model.teacher,
+            resolve(recipe.model.teacher),
             max_running=recipe.sampling.max_in_flight,
             max_len=recipe.sampling.context_length,
             device=ctx.slot.device,

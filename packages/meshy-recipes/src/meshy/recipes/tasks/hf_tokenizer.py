@@ -1,5 +1,6 @@
 """The tokenizer of an HF model directory (tokenizer.json, with the special ids from config.json) behind
-the task tokenizer interface, and `smollm2_tokenizer`, SmolLM2-135M-Instruct's, a recipe can name.
+the task tokenizer interface; `tokenizer(model)` for any model a recipe names, `smollm2_tokenizer()` for
+SmolLM2-135M-Instruct's.
 
 SmolLM2 chats in ChatML: "<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"; it ends a turn with
 <|im_end|>, its eos.
@@ -56,6 +57,12 @@ class HFTokenizer:
 
 
 @functools.cache
+def tokenizer(model: str) -> HFTokenizer:
+    """The tokenizer of `model`, named as model.init names weights: an HF directory, "hf:<owner/name>" or
+    "gguf:<name>" (meshy.recipes.pretrained; downloaded or converted on first use)."""
+    return HFTokenizer(resolve(model))
+
+
 def smollm2_tokenizer() -> HFTokenizer:
-    """SmolLM2-135M-Instruct's tokenizer (converting its packaged GGUF on first use)."""
-    return HFTokenizer(resolve(SMOLLM2_INSTRUCT))
+    """SmolLM2-135M-Instruct's tokenizer, for recipes whose tokenizer factory takes no options."""
+    return tokenizer(SMOLLM2_INSTRUCT)

