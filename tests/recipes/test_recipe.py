@@ -53,6 +53,8 @@ def test_the_embedded_default_loads_and_resolves():
         ),
         (lambda t: t + '\n[[roles.custom]]\nname = "training"\ncls = "x:Y"\n', "custom role name 'training'"),
         (lambda t: t.replace("max_new_tokens = 3", "max_new_tokens = 0"), "max_new_tokens, max_in_flight >= 1"),
+        (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
+        (lambda t: t + '\n[[roles.custom]]\ncls = "x:Y"\n', "recipe.roles.custom[0]: missing field 'name'"),
     ],
 )
 def test_bad_recipes_get_one_error_naming_the_field(tmp_path, edit, needle):

@@ -254,6 +254,10 @@ def build(cls: type, data: Any, path: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise SchemaError(f"{path}: unknown field {unknown[0]!r}; expected one of {sorted(fields)}")
+    required = [name for name, f in fields.items() if f.default is f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise SchemaError(f"{path}: missing field {missing[0]!r}")
     hints = typing.get_type_hints(cls)
     values = {name: _value(hints[name], value, f"{path}.{name}") for name, value in data.items()}
     try:
