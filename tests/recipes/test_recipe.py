@@ -55,6 +55,7 @@ def test_the_embedded_default_loads_and_resolves():
         (lambda t: t.replace("max_new_tokens = 3", "max_new_tokens = 0"), "max_new_tokens, max_in_flight >= 1"),
         (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
         (lambda t: t + '\n[[roles.custom]]\ncls = "x:Y"\n', "recipe.roles.custom[0]: missing field 'name'"),
+        (lambda t: t + '\n[roles.custom]\nname = "judge"\n', "RolesSpec.custom: expected tuple[CustomRoleSpec, ...]"),
     ],
 )
 def test_bad_recipes_get_one_error_naming_the_field(tmp_path, edit, needle):
@@ -87,3 +88,17 @@ def test_sections_reuse_the_components_configs():
     recipe = load_recipe()
     assert dataclasses.asdict(recipe.algorithm.optim)["lr"] == 5e-4
     assert recipe.algorithm.loss.tis == "none"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (b"\x80" + DEFAULT.encode(), "not valid TOML: 'utf-8' codec can't decode byte 0x80"),
+        (b"steps = " + b"[" * 5000 + b"]" * 5000 + b"\n" + DEFAULT.encode(), "arrays or tables nested too deeply"),
+    ],
+)
+def test_a_recipe_file_that_is_not_toml_is_named(tmp_path, text, needle):
+    path = tmp_path / "recipe.toml"
+    path.write_bytes(text)
+    with pytest.raises(SchemaError, match=f"recipe {path}: {needle}"):
+        load_recipe(path)

@@ -45,4 +45,16 @@ def _matches(value: Any, annotation: Any) -> bool:
 
 
 def _describe(annotation: Any) -> str:
+    """An annotation as written in the source: `tuple[CustomRoleSpec, ...]`, not its module's full path."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "None"
+    if annotation is Ellipsis:
+        return "..."
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_describe(arg) for arg in args)
+    if origin is typing.Literal:
+        return f"Literal[{', '.join(map(repr, args))}]"
+    if origin is not None:
+        return f"{_describe(origin)}[{', '.join(map(_describe, args))}]"
     return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")

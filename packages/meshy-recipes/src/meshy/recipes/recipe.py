@@ -64,6 +64,9 @@ class RolesSpec:
     teacher: RoleSpec | None = None
     custom: tuple[CustomRoleSpec, ...] = ()
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
     def items(self) -> list[tuple[str, RoleSpec | CustomRoleSpec]]:
         """Every role of the run, in rank order (training first: its rank 0 hosts the data plane)."""
         builtin = [(name, getattr(self, name)) for name in BUILTIN_ROLES if getattr(self, name) is not None]
@@ -240,9 +243,11 @@ def load_recipe(source: str | Path | None = None) -> Recipe:
     if not path.is_file():
         raise SchemaError(f"recipe: no file {path}")
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SchemaError(f"recipe {path}: not valid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise SchemaError(f"recipe {path}: arrays or tables nested too deeply") from None
     return build(Recipe, data, "recipe")
 
 
