@@ -21,6 +21,7 @@ from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes import pretrained
 from meshy.recipes.gguf_convert import _unpermute
 from meshy.recipes.recipe import ModelSpec, load_recipe
+from meshy.recipes.tasks import math as math_task
 from meshy.recipes.tasks.hf_tokenizer import SMOLLM2_INSTRUCT, HFTokenizer
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
@@ -243,6 +244,20 @@ def test_cpu_recipe_loads():
     recipe = load_recipe(RECIPE)
     assert recipe.model.name == "smollm2-135m" and recipe.model.init == SMOLLM2_INSTRUCT
     assert recipe.task.tokenizer == "meshy.recipes.tasks.hf_tokenizer:smollm2_tokenizer"
+
+
+def test_cpu_recipe_prompts_are_smollm2_chat_template_prompts(converted, tokenizer):
+    """The recipe renders prompts with the math task's templates; transformers renders SmolLM2's own
+    (the GGUF's chat template, in tokenizer_config.json) from the same user message."""
+    transformers = pytest.importorskip("transformers")
+    recipe = load_recipe(RECIPE)
+    assert recipe.task.problems == "meshy.recipes.tasks.math:problems"
+    prompt = next(math_task.problems(0, **recipe.task.options)).prompt
+    (user,) = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", prompt, flags=re.S)
+    reference = transformers.AutoTokenizer.from_pretrained(converted)
+    messages = [{"role": "user", "content": user}]
+    assert reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == prompt
+    assert reference(prompt)["input_ids"] == tokenizer.encode(prompt)
 
 
 @pytest.mark.slow
