@@ -75,9 +75,10 @@ class RolesSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """name: a meshy.train model. init: "scratch", an HF directory or "gguf:<name>" (meshy.recipes.pretrained)
-    whose weights the first version starts from. overrides: architecture fields to change (e.g. vocab_size
-    for a task tokenizer). teacher: the teacher's HF directory (distillation)."""
+    """name: a meshy.train model. init: "scratch", or the weights the first version starts from: an HF
+    directory, "hf:<owner/name>" or "gguf:<name>" (meshy.recipes.pretrained). overrides: architecture fields
+    to change (e.g. vocab_size for a task tokenizer). teacher: the teacher's weights, named as init's
+    (distillation)."""
 
     name: str = "qwen3-tiny"
     init: str = "scratch"
