@@ -89,7 +89,8 @@ def test_bad_schemas(make, needle):
     [
         ({"num_storage_units": "2"}, "DataPlaneConfig.num_storage_units: expected int, got str '2'"),
         ({"num_storage_units": 0}, "num_storage_units: expected an integer >= 1"),
-        ({"rpc_timeout_s": 0}, "rpc_timeout_s: expected seconds > 0"),
+        ({"rpc_timeout_s": 0}, "rpc_timeout_s: expected finite seconds > 0"),
+        ({"rpc_timeout_s": float("inf")}, "rpc_timeout_s: expected finite seconds > 0, got inf"),
         ({"encrypt": "yes"}, "DataPlaneConfig.encrypt: expected bool | None"),
         ({"host": "localhost"}, "host: expected an IP address"),
         ({"lease_s": True}, "DataPlaneConfig.lease_s: expected float, got bool"),

@@ -1,6 +1,7 @@
 """The data plane's settings, validated when constructed."""
 
 import ipaddress
+import math
 from dataclasses import dataclass
 
 from meshy.dataplane.errors import SchemaError
@@ -43,8 +44,8 @@ class DataPlaneConfig:
             if getattr(self, name) < 1:
                 raise SchemaError(f"DataPlaneConfig.{name}: expected an integer >= 1, got {getattr(self, name)}")
         for name in ("rpc_timeout_s", "wait_slice_s", "start_timeout_s", "lease_s"):
-            if not getattr(self, name) > 0:
-                raise SchemaError(f"DataPlaneConfig.{name}: expected seconds > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise SchemaError(f"DataPlaneConfig.{name}: expected finite seconds > 0, got {getattr(self, name)}")
 
     @property
     def encrypted(self) -> bool:

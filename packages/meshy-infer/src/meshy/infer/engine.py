@@ -7,6 +7,7 @@ between decode steps; tokens already produced keep their version.
 """
 
 import abc
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,8 +39,10 @@ class SamplingParams:
         check_fields(self)
         if self.max_new_tokens < 0:
             raise SchemaError(f"SamplingParams.max_new_tokens: expected >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise SchemaError(f"SamplingParams.temperature: expected >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise SchemaError(
+                f"SamplingParams.temperature: expected a finite value >= 0 (0 is greedy), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise SchemaError(f"SamplingParams.top_p: expected in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -7,6 +7,7 @@ QKV projections stay separate (torchtitan's fused QKV does not load through dist
 Attention is causal SDPA over right-padded batches, which runs on CPU and GPU alike.
 """
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -26,6 +27,7 @@ from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from meshy.dataplane import SchemaError
+from meshy.dataplane.fields import check_fields
 
 _NORMAL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 _ONES = {"weight": nn.init.ones_}
@@ -33,6 +35,16 @@ QWEN3 = "Qwen3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 LLAMA = "LlamaForCausalLM"
 _MODEL_TYPES = {QWEN3: "qwen3", QWEN3_MOE: "qwen3_moe", LLAMA: "llama"}
+_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,33 @@ class DecoderArch:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        """A recipe's model.overrides land here: refuse what would fail (or silently misbehave) when built."""
+        check_fields(self)
+        if self.architecture not in _MODEL_TYPES:
+            raise SchemaError(
+                f"DecoderArch.architecture: expected one of {list(_MODEL_TYPES)}, got {self.architecture!r}"
+            )
+        for name in _SIZES:
+            if getattr(self, name) < 1:
+                raise SchemaError(f"DecoderArch.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise SchemaError(
+                f"DecoderArch.num_key_value_heads: {self.num_key_value_heads} does not divide "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise SchemaError(f"DecoderArch.{name}: expected a finite value > 0, got {getattr(self, name)}")
+        for name in ("bos_token_id", "eos_token_id", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if getattr(self, name) < 0:
+                raise SchemaError(f"DecoderArch.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.moe and not (1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size >= 1):
+            raise SchemaError(
+                "DecoderArch: a mixture needs 1 <= num_experts_per_tok <= num_experts and moe_intermediate_size >= 1, "
+                f"got {self.num_experts_per_tok}, {self.num_experts}, {self.moe_intermediate_size}"
+            )
 
     @property
     def qk_norm(self) -> bool:

@@ -37,8 +37,14 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if not self.lr > 0 or not self.max_grad_norm > 0 or self.warmup_steps < 0:
+        if not 0 < self.lr < math.inf or not self.max_grad_norm > 0 or self.warmup_steps < 0:
             raise SchemaError(f"OptimConfig: lr and max_grad_norm must be > 0 and warmup_steps >= 0, got {self}")
+        # AdamW's own checks, here rather than when a role builds its optimizer.
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise SchemaError(f"OptimConfig.betas: expected two values in [0, 1), got {self.betas}")
+        for name in ("eps", "weight_decay"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise SchemaError(f"OptimConfig.{name}: expected a finite value >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -69,10 +75,28 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        for name in ("pg_coef", "kl_coef", "distill_coef"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise SchemaError(f"LossConfig.{name}: expected a finite value >= 0, got {getattr(self, name)}")
+        if not math.isfinite(self.entropy_coef):
+            raise SchemaError(f"LossConfig.entropy_coef: expected a finite value, got {self.entropy_coef}")
         if self.pg_coef == 0 and self.distill_coef == 0:
             raise SchemaError("LossConfig: pg_coef and distill_coef are both 0; the loss would be empty")
-        if not self.temperature > 0:
-            raise SchemaError(f"LossConfig.temperature: expected > 0, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:
+            raise SchemaError(f"LossConfig.temperature: expected a finite value > 0, got {self.temperature}")
+        # The ranges ppo_clip_loss and importance_weights check, here rather than at the first step.
+        if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
+            raise SchemaError(
+                f"LossConfig.clip_low, clip_high: expected 0 <= clip_low < 1 and clip_high >= 0, "
+                f"got {self.clip_low}, {self.clip_high}"
+            )
+        if not 0 < self.tis_low <= 1 <= self.tis_high:
+            raise SchemaError(
+                "LossConfig.tis_low, tis_high: expected 0 < tis_low <= 1 <= tis_high, "
+                f"got {self.tis_low}, {self.tis_high}"
+            )
+        if self.entropy_metric_tokens < 0:
+            raise SchemaError(f"LossConfig.entropy_metric_tokens: expected >= 0, got {self.entropy_metric_tokens}")
 
 
 @dataclass
