@@ -1,7 +1,11 @@
-"""torchrun body: a 2-rank training service on a data plane the test hosts; 3 versions of 1 group per rank."""
+"""torchrun body: a 2-rank training service on a data plane the test hosts; 3 versions of 1 group per rank.
+
+With "late-rank-0", rank 0 starts training 2 s after rank 1 (as after a slow restore or publish).
+"""
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -16,6 +20,7 @@ from meshy.train.trainer import LossConfig, OptimConfig, PolicyTrainer
 
 def main() -> None:
     out, table, stream = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    late_rank_0 = sys.argv[4:] == ["late-rank-0"]
     init_process_group()
     rank = dist.get_rank()
     arch = get_model("qwen3-tiny")
@@ -27,7 +32,7 @@ def main() -> None:
         client,
         PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig()),
         DirectoryPublisher(out / "weights", arch, client=client, stream=stream),
-        TrainServiceConfig(table=table, groups_per_rank=1, batch_timeout_s=30),
+        TrainServiceConfig(table=table, groups_per_rank=1, batch_timeout_s=10 if late_rank_0 else 30),
         metrics=MetricsLog(out / "metrics.jsonl"),
     )
     service.publish_initial()
@@ -40,6 +45,8 @@ def main() -> None:
         return batch
 
     client.lease = recording_lease
+    if late_rank_0 and rank == 0:
+        time.sleep(2.0)
     service.run(3)
     (out / f"rank{rank}.json").write_text(json.dumps(trained))
     client.close()

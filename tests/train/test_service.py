@@ -116,6 +116,32 @@ def test_ranks_of_a_torchrun_trainer_lease_directly_and_versions_increase(client
     assert [Published.from_message(m.payload).version for m in reader.read()] == [0, 1, 2, 3]
 
 
+def test_a_rank_that_starts_late_still_gets_its_rows_of_each_version(client, unique, dataplane, secret, tmp_path):
+    """Lock-step rows (a version's groups appear only once the version before is published) and rank 0
+    two seconds late: rank 1 must not prefetch, for its next version, the group rank 0 is waiting for."""
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    stream = unique("weights")
+    reader = client.reader(stream, "pacing", start=1)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MESHY_DATAPLANE_SECRET": secret.hex()}
+    (tmp_path / "endpoints.json").write_text(dataplane.endpoints.to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(Path(__file__).with_name("service_ranks.py")), str(tmp_path), table, stream, "late-rank-0"]
+    trainers = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    written = 0
+    for message in iter(lambda: reader.read(timeout=60), None):
+        assert message, "the trainers stopped publishing"
+        version = max(Published.from_message(m.payload).version for m in message)
+        while written <= min(version, 2):  # the groups of batch `written`, once version `written` is out
+            put_groups(client, table, range(2 * written, 2 * written + 2), 2, ARCH.vocab_size, version=written)
+            written += 1
+        if version == 3:
+            break
+    _, stderr = trainers.communicate(timeout=120)
+    assert trainers.returncode == 0, stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["version"], r["rows_trained"]) for r in records] == [(1, 4), (2, 4), (3, 4)]
+
+
 def test_critic_starts_at_the_mean_reward_and_learns_the_returns(client, unique):
     table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2)).name
     rows = put_groups(client, table, range(3), 2, ARCH.vocab_size)

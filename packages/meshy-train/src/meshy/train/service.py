@@ -137,6 +137,10 @@ class TrainingService:
     def wait_for_batch(self) -> Batch | None:
         """This rank's rows for the next version (fetched while the previous version trained)."""
         batch = self._next.result() if self._next is not None else self._lease()
+        if dist.is_initialized():
+            # Every rank holds its rows before any rank prefetches more: a rank that started early would
+            # otherwise lease, for its next version, the rows a later rank is still waiting for.
+            dist.barrier()
         self._next = self._prefetcher.submit(self._lease)
         return batch
 
