@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -32,3 +33,47 @@ def test_meshy_run_resume_names_a_directory_that_is_not_a_run(tmp_path):
     )
     assert result.returncode == 2
     assert f"--resume {tmp_path}: not a run directory (no recipe.toml)" in result.stderr
+
+
+def test_meshy_recipes_lists_every_shipped_recipe_with_model_devices_and_mode():
+    result = subprocess.run([sys.executable, "-m", "meshy.recipes.cli", "recipes"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["recipe", "model", "devices", "mode"]
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line) for line in lines[1:])}
+    assert rows["default"] == ["qwen3-tiny", "CPU", "grpo, on-policy"]
+    assert rows["qwen3-1.7b-grpo-gsm8k-1gpu"] == ["qwen3-1.7b", "1 GPU", "grpo, on-policy"]
+    assert rows["qwen3-30b-a3b-grpo-dapo-8gpu"] == ["qwen3-30b-a3b", "8 GPU", "grpo, off-policy (W=2)"]
+    assert rows["qwen3-1.7b-grpo-dapo-8gpu"][2] == "grpo, fully asynchronous"
+    assert rows["justrl2-ppo-qwen3-1.7b-8gpu"][2].startswith("ppo")
+    assert rows["distill-qwen3-8b-to-1.7b-8gpu"][2].startswith("distill")
+    assert {"minicpm5-1b", "minicpm5-2b", "qwen3-8b", "smollm2-135m"} <= {model for model, _, _ in rows.values()}
+
+
+def test_meshy_check_prints_which_rank_runs_which_role_on_which_device_in_which_ring():
+    result = subprocess.run(
+        [sys.executable, "-m", "meshy.recipes.cli", "check", "minicpm5-2b-grpo-ultradata-4gpu"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("9 processes on 4 GPUs (rank 0 hosts the data plane)")
+    table = [line.split() for line in lines[2:]]
+    assert table[0] == ["0", "training", "1/4", "cuda:0", "training+inference"]
+    assert table[4] == ["4", "inference", "1/4", "cuda:0", "training+inference"]
+    assert table[8] == ["8", "rollout", "1/1", "cpu", "-"]
+
+
+def test_meshy_check_names_what_is_wrong(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[task]\nreward = "meshy.recipes.tasks.math_reward:no_such_reward"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "meshy.recipes.cli", "check", str(bad)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "task.reward: 'meshy.recipes.tasks.math_reward:no_such_reward': module" in result.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "meshy.recipes.cli", "check", "no-such"], capture_output=True, text=True
+    )
+    assert "'no-such' is neither a file nor a shipped recipe" in missing.stderr

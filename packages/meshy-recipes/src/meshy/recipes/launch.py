@@ -6,7 +6,7 @@ process group (if the role has several processes) and runs its loop until the ru
 no driver: roles meet only on the data plane.
 """
 
-import importlib
+import contextlib
 import os
 import sys
 import time
@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshy.dataplane import DataPlaneClient, DataPlaneServer, Endpoints, secret_from_env
+from meshy.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer, Endpoints, secret_from_env
 from meshy.recipes.context import RoleContext, announce_stop, rollout_table
+from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.topology import Slot, assign
 from meshy.train.parallel import init_process_group
@@ -35,9 +36,9 @@ def role_class(recipe: Recipe, slot: Slot) -> type:
         "critic": "meshy.recipes.roles.critic:CriticRole",
         "teacher": "meshy.recipes.roles.teacher:TeacherRole",
     }
-    path = builtin.get(slot.role) or next(c.cls for c in recipe.roles.custom if c.name == slot.role)
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    if slot.role in builtin:
+        return import_object(builtin[slot.role], f"roles.{slot.role}")
+    return import_object(next(c.cls for c in recipe.roles.custom if c.name == slot.role), f"roles.custom.{slot.role}")
 
 
 def run_dir(recipe: Recipe) -> Path:
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             store=dist.PrefixStore(f"meshy/role/{slot.role}", store), rank=slot.index, world_size=slot.count
         )
     ctx = RoleContext(recipe, slot, directory, client)
+    ctx.record("start", rank=rank, pid=os.getpid(), dataplane=server.pids if server is not None else None)
     failed = False
     try:
         cls = role_class(recipe, slot)
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException:
         failed = True
         traceback.print_exc()
-        announce_stop(client, f"{slot.role} process {slot.index} failed")
+        with contextlib.suppress(DataPlaneError):  # the data plane may be what failed
+            announce_stop(client, f"{slot.role} process {slot.index} failed")
     finally:
         store.add(DONE_KEY, 1)
         if server is not None:

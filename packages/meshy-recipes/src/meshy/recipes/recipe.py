@@ -100,13 +100,14 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """Import paths of the tokenizer factory, the problem stream (called with seed and options) and the
-    reward function (response text, ground truth -> float)."""
+    """Import paths of the tokenizer factory (called with tokenizer_options), the problem stream (called
+    with seed and options) and the reward function (response text, ground truth -> float)."""
 
     tokenizer: str = "meshy.recipes.tasks.arithmetic:tokenizer"
     problems: str = "meshy.recipes.tasks.arithmetic:problems"
     reward: str = "meshy.recipes.tasks.arithmetic:exact_match"
     options: dict = field(default_factory=dict)
+    tokenizer_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_fields(self)

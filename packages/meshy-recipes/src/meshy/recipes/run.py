@@ -11,7 +11,9 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane.security import SECRET_ENV
 from meshy.dataplane.server import new_secret
 from meshy.recipes.launch import RUN_DIR_ENV
-from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
+from meshy.recipes.recipe import DEFAULT_RECIPE, Recipe, load_recipe
+from meshy.recipes.topology import assign
+from meshy.train import checkpoint
 
 RECIPE_FILE = "recipe.toml"
 
@@ -45,4 +47,19 @@ def run(recipe_path: str | None, resume: str | None = None) -> int:
         "meshy.recipes.launch",
         str((directory / RECIPE_FILE).resolve()),
     ]
-    return subprocess.run(command, env=env).returncode
+    code = subprocess.run(command, env=env).returncode
+    if code != 0:
+        print(stopped_report(recipe, directory, code), file=sys.stderr, flush=True)
+    return code
+
+
+def stopped_report(recipe: Recipe, directory: Path, code: int) -> str:
+    """What a user needs after a run stopped early: which rank is which role, and how to carry on."""
+    ranks = ", ".join(f"{slot.rank} {slot.role}-{slot.index}" for slot in assign(recipe, recipe.world_size).values())
+    newest = checkpoint.latest(directory / "checkpoints")
+    since = f"its newest checkpoint, {newest.name}" if newest is not None else "the start (no checkpoint yet)"
+    return (
+        f"meshy: run {directory} stopped before finishing (torchrun exit code {code}); the report above names "
+        f"the first rank that failed (ranks: {ranks}); logs in {directory / 'logs'}.\n"
+        f"meshy: continue from {since} with: meshy run --resume {directory}"
+    )

@@ -9,16 +9,15 @@ Rewards are per row; advantages need whole groups (GRPO: the group's mean, optio
 the trainer should skip (dynamic sampling: its group's rewards are all equal) gets an empty advantage.
 """
 
-import importlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.context import GROUND_TRUTH, RoleContext
+from meshy.recipes.imports import import_object
 from meshy.train.advantages import (
     dapo_overlong_penalty,
     drop_uniform_groups,
@@ -31,19 +30,14 @@ from meshy.train.advantages import (
 FREE_BATCHES = 8  # how far ahead a fully asynchronous rollout may run
 
 
-def import_object(path: str) -> Any:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 class RolloutRole:
     def __init__(self, ctx: RoleContext):
         self.ctx = ctx
         recipe = ctx.recipe
-        self.tokenizer = import_object(recipe.task.tokenizer)()
-        self.reward_fn: Callable[[str, str], float] = import_object(recipe.task.reward)
+        self.tokenizer = import_object(recipe.task.tokenizer, "task.tokenizer")(**recipe.task.tokenizer_options)
+        self.reward_fn: Callable[[str, str], float] = import_object(recipe.task.reward, "task.reward")
         seed = recipe.seed * 1000 + ctx.slot.index
-        self.problems: Iterator = import_object(recipe.task.problems)(seed, **recipe.task.options)
+        self.problems: Iterator = import_object(recipe.task.problems, "task.problems")(seed, **recipe.task.options)
         self.rows_written = 0
 
     def run(self) -> None:

@@ -1,6 +1,5 @@
 """The tokenizer of an HF model directory (tokenizer.json, with the special ids from config.json) behind
-the task tokenizer interface; `tokenizer(model)` for any model a recipe names, `smollm2_tokenizer()` for
-SmolLM2-135M-Instruct's.
+the task tokenizer interface; recipes name `tokenizer` with tokenizer_options = { model = ... }.
 
 SmolLM2 chats in ChatML: "<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"; it ends a turn with
 <|im_end|>, its eos.
@@ -14,8 +13,6 @@ from tokenizers import Tokenizer
 
 from meshy.dataplane import SchemaError
 from meshy.recipes.pretrained import resolve
-
-SMOLLM2_INSTRUCT = "gguf:smollm2-135m-instruct"
 
 
 class HFTokenizer:
@@ -61,8 +58,3 @@ def tokenizer(model: str) -> HFTokenizer:
     """The tokenizer of `model`, named as model.init names weights: an HF directory, "hf:<owner/name>" or
     "gguf:<name>" (meshy.recipes.pretrained; downloaded or converted on first use)."""
     return HFTokenizer(resolve(model))
-
-
-def smollm2_tokenizer() -> HFTokenizer:
-    """SmolLM2-135M-Instruct's tokenizer, for recipes whose tokenizer factory takes no options."""
-    return tokenizer(SMOLLM2_INSTRUCT)

@@ -1,0 +1,74 @@
+"""Fault injection: SIGKILL one process of a running pipeline, then `meshy run --resume` it.
+
+Each case kills one role mid-run (after a checkpoint): the run must stop with a clear error within a
+bounded time (no process left waiting), and the resumed run must finish with every version trained
+once, no row trained twice and every row of every batch trained or counted as dropped.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.recipes.test_pipeline import REPO, check_run, kill_tree, records, small_recipe
+
+STEPS = 10
+COMMAND = [sys.executable, "-m", "meshy.recipes.cli", "run"]
+STOP_WITHIN_S = 90  # rpc timeouts and torchrun's teardown, with room for a loaded machine
+
+
+def victim_pid(run_dir, target: str) -> int:
+    """The pid of `target`: a role process ("inference-0", "training-1", ...) or "dataplane" (its controller)."""
+    if target == "dataplane":
+        (start,) = [r for r in records(run_dir, "training-0") if r["kind"] == "start"]
+        return int(start["dataplane"]["controller"])
+    (start,) = [r for r in records(run_dir, target) if r["kind"] == "start"]
+    return int(start["pid"])
+
+
+def wait_for_version(run, run_root, version: int):
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and run.poll() is None:
+        metrics = next(run_root.glob("*/metrics.jsonl"), None)
+        if metrics is not None and len(metrics.read_text().splitlines()) >= version:
+            return metrics.parent
+        time.sleep(0.05)
+    raise AssertionError(f"the run should still be going at version {version}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["rollout-0", "inference-0", "training-1", "dataplane"])
+def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss(tmp_path, target):
+    recipe = small_recipe(tmp_path, "1", steps=STEPS)
+    text = re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 2", recipe.read_text(), flags=re.M)
+    recipe.write_text(text.replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(
+        [*COMMAND, str(recipe)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        run_dir = wait_for_version(first, tmp_path, 3)
+        os.kill(victim_pid(run_dir, target), signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = first.communicate(timeout=STOP_WITHIN_S)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        kill_tree(first.pid)
+        first.wait()
+    assert first.returncode != 0, f"killing {target} must not look like success"
+    assert "meshy: continue from its newest checkpoint, step-" in stderr, stderr[-3000:]
+    assert f"with: meshy run --resume {run_dir}" in stderr
+    assert stopped_after < STOP_WITHIN_S
+    restored = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
+    resumed = subprocess.run([*COMMAND, "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
