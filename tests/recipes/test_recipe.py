@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 
@@ -102,3 +103,26 @@ def test_a_recipe_file_that_is_not_toml_is_named(tmp_path, text, needle):
     path.write_bytes(text)
     with pytest.raises(SchemaError, match=f"recipe {path}: {needle}"):
         load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value", "message"),
+    [
+        ("sampling", "temperature", "-1.0", "SamplingParams.temperature"),
+        ("sampling", "top_p", "0.0", "SamplingParams.top_p"),
+        ("algorithm", "gae_k", "2.0", "gae_k: expected 0 < gae_k <= 1, got 2.0"),
+        ("algorithm", "teacher_topk", "0", "teacher_topk >= 1 and value_clip > 0, got 0"),
+        ("algorithm", "value_clip", "0.0", "teacher_topk >= 1 and value_clip > 0"),
+        ("algorithm", "max_staleness", "-1", "max_staleness (or none), critic_warmup_versions: expected >= 0"),
+        ("algorithm", "critic_warmup_versions", "-1", "critic_warmup_versions: expected >= 0"),
+        ("algorithm", "initial_value", "nan", "initial_value, overlong_factor: expected finite numbers"),
+        ("algorithm", "overlong_factor", "inf", "initial_value, overlong_factor: expected finite numbers"),
+    ],
+)
+def test_values_that_would_fail_mid_run_are_refused_at_load(tmp_path, section, field, value, message):
+    text = re.sub(rf"^{field} = .*\n", "", DEFAULT_RECIPE.read_text(), flags=re.M)
+    text = text.replace(f"[{section}]\n", f"[{section}]\n{field} = {value}\n", 1)
+    (tmp_path / "r.toml").write_text(text)
+    with pytest.raises(SchemaError, match=re.escape(message)) as e:
+        load_recipe(tmp_path / "r.toml")
+    assert f"recipe.{section}" in str(e.value)

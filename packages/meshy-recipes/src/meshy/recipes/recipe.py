@@ -6,6 +6,7 @@ Sections reuse the components' own configs (LossConfig, OptimConfig, ParallelCon
 """
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 from meshy.dataplane import Column, DataPlaneConfig, SchemaError
 from meshy.dataplane.fields import check_fields
+from meshy.infer.engine import SamplingParams
 from meshy.recipes.pretrained import check_init
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig
@@ -155,6 +157,20 @@ class AlgorithmSpec:
             raise SchemaError(f"group_size, prompts_per_step and minibatches must be >= 1: {self}")
         if not (self.pacing == "none" or (isinstance(self.pacing, int) and self.pacing >= 1)):
             raise SchemaError(f'pacing: expected an int >= 1 or "none", got {self.pacing!r}')
+        if not 0 < self.gae_k <= 1:
+            raise SchemaError(f"gae_k: expected 0 < gae_k <= 1, got {self.gae_k}")
+        if self.teacher_topk < 1 or not self.value_clip > 0:
+            raise SchemaError(f"teacher_topk >= 1 and value_clip > 0, got {self.teacher_topk}, {self.value_clip}")
+        if (self.max_staleness is not None and self.max_staleness < 0) or self.critic_warmup_versions < 0:
+            raise SchemaError(
+                f"max_staleness (or none), critic_warmup_versions: expected >= 0, got {self.max_staleness}, "
+                f"{self.critic_warmup_versions}"
+            )
+        if not (math.isfinite(self.initial_value) and math.isfinite(self.overlong_factor)):
+            raise SchemaError(
+                f"initial_value, overlong_factor: expected finite numbers, got {self.initial_value}, "
+                f"{self.overlong_factor}"
+            )
         if self.overlong_buffer < 0 or self.overlong_factor < 0:
             raise SchemaError(
                 f"overlong_buffer, overlong_factor: expected >= 0, got {self.overlong_buffer}, {self.overlong_factor}"
@@ -179,6 +195,7 @@ class SamplingSpec:
         check_fields(self)
         if self.max_new_tokens < 1 or self.max_in_flight < 1 or self.context_length <= self.max_new_tokens:
             raise SchemaError(f"max_new_tokens, max_in_flight >= 1 and context_length > max_new_tokens: {self}")
+        SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.top_k)  # the engines' own checks
 
 
 @dataclass(frozen=True)
