@@ -126,3 +126,12 @@ def test_values_that_would_fail_mid_run_are_refused_at_load(tmp_path, section, f
     with pytest.raises(SchemaError, match=re.escape(message)) as e:
         load_recipe(tmp_path / "r.toml")
     assert f"recipe.{section}" in str(e.value)
+
+
+def test_an_init_directory_with_a_torn_config_json_names_the_file(tmp_path):
+    from meshy.recipes.recipe import ModelSpec
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 6')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SchemaError, match=re.escape(f"model source {tmp_path / 'config.json'}: not valid JSON")):
+        ModelSpec(name="qwen3-tiny", init=str(tmp_path))

@@ -57,7 +57,7 @@ def read_model(source: ModelSource) -> tuple[dict, Mapping[str, torch.Tensor]]:
     shards = sorted(directory.glob("*.safetensors"))
     if not (directory / "config.json").is_file() or not shards:
         raise SchemaError(f"model source {directory}: expected config.json and *.safetensors in a directory")
-    config = _config_json(directory / "config.json")
+    config = config_json(directory / "config.json")
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         try:
@@ -67,7 +67,8 @@ def read_model(source: ModelSource) -> tuple[dict, Mapping[str, torch.Tensor]]:
     return config, tensors
 
 
-def _config_json(path: Path) -> dict:
+def config_json(path: Path) -> dict:
+    """A model directory's config.json as a dict, or a SchemaError naming the file."""
     try:
         config = json.loads(path.read_bytes())
     except ValueError as e:

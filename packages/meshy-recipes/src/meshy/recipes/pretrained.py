@@ -10,7 +10,6 @@ under a file lock, so processes starting together convert once and never see a p
 import fcntl
 import importlib.metadata
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from meshy.dataplane import SchemaError
+from meshy.infer.torch_engine import config_json
 from meshy.infer.torch_model import ModelConfig
 from meshy.train.models import DecoderArch, get_model
 
@@ -66,7 +66,7 @@ def check_init(init: str, arch: DecoderArch) -> None:
             f'init: expected "{SCRATCH}", "{HUB_PREFIX}<owner/name>", "{GGUF_PREFIX}<name>" or an HF directory '
             f"with config.json and *.safetensors, got {init!r}"
         )
-    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    config = ModelConfig.from_hf(config_json(directory / "config.json"))
     for name in (f.name for f in fields(ModelConfig)):
         if hasattr(arch, name) and getattr(config, name) != getattr(arch, name):
             raise SchemaError(
