@@ -228,3 +228,19 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_finishes_every_versio
     for m in metrics:  # the prompt sequence carries on where the checkpoint left it
         rows = sorted(m["row_ids"] + [d["row"] for d in m["dropped"]])
         assert rows == list(range((m["version"] - 1) * GROUPS * GROUP, m["version"] * GROUPS * GROUP))
+
+
+def test_the_same_recipe_and_seed_replay_the_same_rewards_in_lock_step(tmp_path):
+    runs = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        recipe = small_recipe(tmp_path / name, "1", steps=6)
+        text = recipe.read_text().replace(
+            'reward = "meshy.recipes.tasks.arithmetic:exact_match"',
+            'reward = "tests.recipes.length_reward:length_reward"',
+        )
+        recipe.write_text(text)  # a reward of every sampled token: equal rewards mean equal samples
+        runs.append(check_run(run(recipe), 0, steps=6))
+    first, second = ([(m["version"], m["row_ids"], m["reward_mean"]) for m in metrics] for metrics in runs)
+    assert first == second
+    assert len({reward for _, _, reward in first}) > 1, "rewards that vary, so equality means something"
