@@ -1,0 +1,102 @@
+"""Memory over a long run: each process's peak RSS after 1,000 and after 10,000 trained rows.
+
+    uv run python bench/memory.py [--rows 10000]
+
+A real `meshy run` of the embedded default recipe (256 rows per version), long enough for `--rows`.
+An outside observer samples every role process and the data-plane servers (their pids come from the
+run's own start records) and reads the kernel's high-water mark (VmHWM) when the trained rows first
+reach 1,000 and again at the end. Growth between the two is what a leak would show.
+"""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
+
+EARLY_ROWS = 1000
+
+
+def rows_trained(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(m["rows_trained"] + m["rows_dropped"] for m in map(json.loads, path.read_text().splitlines()))
+
+
+def processes(run_dir: Path) -> dict[str, int]:
+    """name -> pid of every role process and data-plane server that has started."""
+    found = {}
+    for path in (run_dir / "records").glob("*.jsonl"):
+        for record in map(json.loads, path.read_text().splitlines()):
+            if record["kind"] == "start":
+                found[path.stem] = record["pid"]
+                if record["dataplane"]:
+                    found["dataplane-controller"] = record["dataplane"]["controller"]
+                    for i, pid in enumerate(record["dataplane"]["storage"]):
+                        found[f"dataplane-storage-{i}"] = pid
+    return found
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 1024
+
+
+def measure(rows: int, workdir: Path) -> dict[str, tuple[float, float]]:
+    """name -> (peak RSS MiB at EARLY_ROWS trained rows, at `rows`)."""
+    algo = load_recipe(DEFAULT_RECIPE).algorithm
+    steps = -(-rows // (algo.prompts_per_step * algo.group_size))
+    text = re.sub(r"^steps = .*$", f"steps = {steps}", DEFAULT_RECIPE.read_text(), flags=re.M)
+    text = re.sub(r"^run_dir = .*$", f'run_dir = "{workdir}"', text, flags=re.M)
+    text = re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 0", text, flags=re.M)
+    (workdir / "recipe.toml").write_text(text)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "meshy.recipes.cli", "run", str(workdir / "recipe.toml")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    early: dict[str, float] = {}
+    latest: dict[str, float] = {}
+    run_dir = None
+    while run.poll() is None:
+        time.sleep(0.2)
+        run_dir = run_dir or next((p for p in workdir.iterdir() if p.is_dir()), None)
+        if run_dir is None:
+            continue
+        for name, pid in processes(run_dir).items():
+            peak = peak_rss_mib(pid)
+            if peak is not None:
+                latest[name] = peak
+        if not early and rows_trained(run_dir) >= EARLY_ROWS:
+            early = dict(latest)
+    stderr = run.stderr.read()
+    if run.returncode != 0 or run_dir is None or rows_trained(run_dir) < rows:
+        raise RuntimeError(f"the run failed (exit {run.returncode}): {stderr[-3000:]}")
+    return {name: (early[name], latest[name]) for name in sorted(early)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=10_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="meshy-memory-") as workdir:
+        peaks = measure(args.rows, Path(workdir))
+    print(f"peak RSS (MiB) per process, default recipe, {EARLY_ROWS:,} vs {args.rows:,} trained rows")
+    print(f"| process | at {EARLY_ROWS:,} rows | at {args.rows:,} rows | growth |")
+    print("|---|---|---|---|")
+    for name, (early, late) in peaks.items():
+        print(f"| {name} | {early:.0f} | {late:.0f} | {100 * (late - early) / early:+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
