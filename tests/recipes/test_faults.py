@@ -5,12 +5,14 @@ bounded time (no process left waiting), and the resumed run must finish with eve
 once, no row trained twice and every row of every batch trained or counted as dropped.
 """
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +74,32 @@ def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss
     resumed = subprocess.run([*COMMAND, "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            child, rest = stat.read_text().split(" ", 1)
+            if int(rest.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(child))
+    return found
+
+
+def test_killing_torchrun_takes_every_process_of_the_run_with_it(tmp_path):
+    recipe = small_recipe(tmp_path, "1", steps=200)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    meshy = subprocess.Popen([*COMMAND, str(recipe)], env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        run_dir = wait_for_version(meshy, tmp_path, 1)
+        (agent,) = children(meshy.pid)
+        pids = [victim_pid(run_dir, name) for name in ("training-0", "inference-0", "rollout-0", "dataplane")]
+        os.kill(agent, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+            time.sleep(0.1)
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        assert not alive, f"processes left running after torchrun was killed: {alive}"
+    finally:
+        kill_tree(meshy.pid)
+        meshy.wait()
