@@ -141,12 +141,17 @@ class _Decode:
         self.cache, self.slots, self.positions, self.span = cache, slots, positions, span
         visible = torch.arange(span, device=positions.device)[None, :] <= positions[:, None]
         self.mask = visible[:, None, None, :]  # [batch, heads, query, key]
+        # Slots in a consecutive run (the usual case, a full batch in slot order) are read as a view of
+        # the cache; any other set is gathered, which copies every layer's keys and values each step.
+        first = int(slots[0])
+        consecutive = torch.equal(slots.cpu(), torch.arange(first, first + len(slots)))
+        self.read = slice(first, first + len(slots)) if consecutive else slots
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.keys[layer], self.cache.values[layer]
         keys[self.slots, :, self.positions] = k[:, :, 0]
         values[self.slots, :, self.positions] = v[:, :, 0]
-        k_span, v_span = keys[self.slots, :, : self.span], values[self.slots, :, : self.span]
+        k_span, v_span = keys[self.read, :, : self.span], values[self.read, :, : self.span]
         return F.scaled_dot_product_attention(q, k_span, v_span, attn_mask=self.mask, enable_gqa=True)
 
 
