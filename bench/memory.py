@@ -48,7 +48,8 @@ def peak_rss_mib(pid: int) -> float | None:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 1024
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)  # absent once the process has exited
+    return int(found.group(1)) / 1024 if found else None
 
 
 def measure(rows: int, workdir: Path) -> dict[str, tuple[float, float]]:
