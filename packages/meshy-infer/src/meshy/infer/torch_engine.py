@@ -115,33 +115,17 @@ def _draw(scaled: torch.Tensor, top_k: int, top_p: float, generator: torch.Gener
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
-def _truncated(params: SamplingParams, vocab: int) -> bool:
-    return 0 < params.top_k < vocab or params.top_p < 1
-
-
 def sample(logits: torch.Tensor, requests: Sequence[_Request]) -> tuple[list[int], list[float]]:
     """The next token of each row of float32 logits [batch, vocab], and its logprob: the log-softmax of
-    logits / temperature (1 when greedy) at that token, before top-k/top-p truncation.
-
-    Rows sampled from the full distribution (the RL case) are drawn together by inverting their CDFs,
-    each at one uniform from its own request's generator, so a request's tokens still depend only on
-    its seed; rows with top-k/top-p go one by one."""
+    logits / temperature (1 when greedy) at that token, before top-k/top-p truncation."""
     temperatures = [r.params.temperature or 1.0 for r in requests]
     scaled = logits / torch.tensor(temperatures, device=logits.device)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
     chosen = logits.argmax(dim=-1)
-    vocab = logits.shape[-1]
-    full = [i for i, r in enumerate(requests) if r.params.temperature > 0 and not _truncated(r.params, vocab)]
-    if full:
-        rows = torch.tensor(full, device=logits.device)
-        cdf = logprobs[rows].exp().cumsum(dim=-1)
-        uniforms = torch.cat([torch.rand(1, generator=requests[i].generator, device=logits.device) for i in full])
-        drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
-        chosen[rows] = drawn.clamp(max=vocab - 1)
     for i, request in enumerate(requests):
-        if request.params.temperature > 0 and _truncated(request.params, vocab):
+        if request.params.temperature > 0:
             chosen[i] = _draw(scaled[i], request.params.top_k, request.params.top_p, request.generator)
-    return chosen.tolist(), logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(1, chosen[:, None])[:, 0]
+    return chosen.tolist(), logprobs.tolist()
 
 
 class _Scheduler:
