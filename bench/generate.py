@@ -30,27 +30,11 @@ from transformers import AutoModelForCausalLM
 
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
-from meshy.train.models import LLAMA, DecoderArch, get_model
+from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.publish import DirectoryPublisher
 
-# The shape of SmolLM-135M, a ~135M-parameter Llama-architecture model.
-LLAMA_135M = DecoderArch(
-    LLAMA,
-    576,
-    1536,
-    30,
-    9,
-    3,
-    head_dim=64,
-    vocab_size=49152,
-    rope_theta=1e4,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-MODELS = {"qwen3-tiny": get_model("qwen3-tiny"), "llama-135m": LLAMA_135M}
+MODELS = {"qwen3-tiny": get_model("qwen3-tiny"), "llama-135m": get_model("smollm2-135m")}  # SmolLM2-135M's shape
 
 
 def publish(arch: DecoderArch, root: Path) -> Path:

@@ -125,15 +125,7 @@ class RolloutRole:
             return self.critic_advantages()
         client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
         while not self.ctx.stop.is_set():
-            batch = client.lease(
-                table,
-                "advantage",
-                [cols.REWARD, cols.RESPONSE_IDS],
-                count=64,
-                min_count=1,
-                whole_groups=True,
-                timeout=0.5,
-            )
+            batch = self._lease_groups([cols.REWARD, cols.RESPONSE_IDS])
             if batch is None:
                 continue
             responses = batch.columns[cols.RESPONSE_IDS]
@@ -153,15 +145,7 @@ class RolloutRole:
         returns are the lambda = 1 targets the critic trains on."""
         client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
         while not self.ctx.stop.is_set():
-            batch = client.lease(
-                table,
-                "advantage",
-                [cols.REWARD, cols.RESPONSE_IDS, cols.VALUES],
-                count=64,
-                min_count=1,
-                whole_groups=True,
-                timeout=0.5,
-            )
+            batch = self._lease_groups([cols.REWARD, cols.RESPONSE_IDS, cols.VALUES])
             if batch is None:
                 continue
             responses, values = batch.columns[cols.RESPONSE_IDS], batch.columns[cols.VALUES]
@@ -189,6 +173,12 @@ class RolloutRole:
                 },
                 ack=batch,
             )
+
+    def _lease_groups(self, columns: list[str]):
+        """Whole groups whose `columns` are ready, for the advantage step (None after a short wait)."""
+        return self.ctx.client.lease(
+            self.ctx.table, "advantage", columns, count=64, min_count=1, whole_groups=True, timeout=0.5
+        )
 
     def _overlong_penalty(self, responses: list[torch.Tensor]) -> torch.Tensor:
         algo = self.ctx.recipe.algorithm
