@@ -82,8 +82,8 @@ def test_expired_leases_return_to_the_front_of_the_pool():
     t.declare_task("infer", ["prompt"], whole_groups=False)
     put(t, [0, 1, 2, 3], ["prompt"])
     assert lease(t, "infer", 2, now=0.0).row_ids == [0, 1]
-    assert not t.expire(5.0)
-    assert t.expire(10.0)
+    assert not t.expire(5.0)[0]
+    assert t.expire(10.0)[0]
     assert lease(t, "infer", 4, now=11.0).row_ids == [0, 1, 2, 3]
 
 
@@ -93,8 +93,8 @@ def test_renewed_leases_do_not_expire_on_the_old_deadline():
     put(t, [0], ["prompt"])
     got = lease(t, "infer", 1, now=0.0)
     assert t.renew(got.lease_id, "c1", 10.0, now=8.0) == [0]
-    assert not t.expire(12.0)
-    assert t.expire(18.0)
+    assert not t.expire(12.0)[0]
+    assert t.expire(18.0)[0]
     with pytest.raises(LeaseLostError):
         t.renew(got.lease_id, "c1", 10.0, now=19.0)
 
@@ -138,6 +138,37 @@ def test_rows_retire_once_every_retiring_task_acked_and_free_their_keys():
     assert t.rows == {} and t.groups == {} and t.retired == 1
     result, freed = t.ack("critic", [0], "c1")
     assert result.unknown == [0] and freed == []
+
+
+def test_a_row_leased_by_another_task_outlives_its_retiring_ack_until_that_lease_ends():
+    t = table(retire_after=("train",))
+    for task in ("train", "score"):
+        t.declare_task(task, ["prompt"], whole_groups=False)
+    put(t, [0, 1], ["prompt"])
+    scoring = lease(t, "score", 2, now=0.0)
+    lease(t, "train", 2, now=0.0)
+    assert t.ack("train", [0, 1], "c1")[1] == [], "the scorer still holds both rows"
+    put(t, [0, 1], ["reward"], new=False)  # the scorer can still write what it computed
+    result, freed = t.ack("score", [0], "c1")
+    assert result.acked == [0] and freed == [1000]
+    changed, freed = t.expire(scoring.deadline)  # the scorer never acked row 1: its life ends with the lease
+    assert changed and freed == [1001]
+    assert t.rows == {} and t.retired == 2 and lease(t, "score", 2) is None
+    assert t.tasks["score"].leased == {} and t.tasks["score"].ready == {}
+
+
+def test_a_group_retires_when_its_last_row_is_acked_and_a_released_lease_frees_held_rows():
+    t = table(group_size=2, retire_after=("train",))
+    t.declare_task("train", ["prompt"], whole_groups=True)
+    t.declare_task("score", ["prompt"], whole_groups=True)
+    put(t, [0, 1, 2, 3], ["prompt"], groups=[0, 0, 1, 1])
+    scoring = lease(t, "score", 1)
+    assert scoring.row_ids == [0, 1]
+    lease(t, "train", 2)
+    _, freed = t.ack("train", [0, 1, 2, 3], "c1")
+    assert freed == [1002, 1003], "group 1 was not held by the scorer"
+    assert t.release(scoring.lease_id, "c1") == (1, [1000, 1001])
+    assert t.rows == {} and t.groups == {} and t.tasks["score"].ready == {}
 
 
 @pytest.mark.parametrize(

@@ -110,12 +110,12 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
 def test_a_custom_role_from_a_test_module_writes_its_own_column(tmp_path):
     extra = (
         '\n[[roles.custom]]\nname = "scorer"\ncls = "tests.recipes.custom_role:LengthScorer"\n'
-        'options = { column = "rm_score" }\n'
+        'options = { column = "rm_score" }\ntask = "length_scorer"\n'
     )
     columns = '\n[[extra_columns]]\nname = "rm_score"\ndtype = "float32"\n'
     run_dir = run(small_recipe(tmp_path, "1", top="", tail=extra + columns))
     check_run(run_dir, 0)
-    assert records(run_dir, "scorer-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
+    assert records(run_dir, "scorer-0")[-1]["rows"] >= STEPS * GROUPS * GROUP, "rows wait for the scorer's ack"
 
 
 def test_ppo_with_a_critic_values_every_row_and_trains_the_critic(tmp_path):

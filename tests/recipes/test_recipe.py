@@ -57,6 +57,10 @@ def test_the_embedded_default_loads_and_resolves():
         (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
         (lambda t: t + '\n[[roles.custom]]\ncls = "x:Y"\n', "recipe.roles.custom[0]: missing field 'name'"),
         (lambda t: t + '\n[roles.custom]\nname = "judge"\n', "RolesSpec.custom: expected tuple[CustomRoleSpec, ...]"),
+        (
+            lambda t: t + '\n[[roles.custom]]\nname = "judge"\ncls = "x:Y"\ntask = "judge"\noptions = { task = "j" }\n',
+            "custom role judge: options.task: set it once",
+        ),
     ],
 )
 def test_bad_recipes_get_one_error_naming_the_field(tmp_path, edit, needle):

@@ -177,8 +177,10 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
     def _tick(self, sock: zmq.Socket, now: float) -> None:
         self._clearer.flush(now)
         for name, table in self._tables.items():
-            if table.expire(now):
+            changed, freed = table.expire(now)
+            if changed:
                 self._dirty.add(("table", name))
+            self._free(name, freed)
         if not self._waiters:
             self._dirty.clear()
             return
@@ -393,7 +395,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
 
     def _op_release(self, args: dict, identity: Any, request_id: int) -> int:
         table = self._table(args["table"])
-        released = table.release(args["lease_id"], args["consumer"])
+        released, freed = table.release(args["lease_id"], args["consumer"])
+        self._free(table.spec.name, freed)
         self._dirty.add(("table", table.spec.name))
         return released
 

@@ -229,7 +229,7 @@ class TableState:
         """Mark rows done for a task; call check_ack first. Returns the result and storage keys to free."""
         task = self.tasks[task_name]
         result = AckResult()
-        freed: list[int] = []
+        candidates: list[int] = []
         for r in row_ids:
             row = self.rows.get(r)
             if row is None:
@@ -252,9 +252,18 @@ class TableState:
             else:
                 result.acked.append(r)
                 task.ready.pop(unit, None)
-            if self._retire_after and self._retire_after <= row.done:
-                freed.extend(self._retire(r))
-        return result, freed
+            candidates.append(r)
+        return result, [k for r in candidates for k in self._retire_if_done(r)]
+
+    def _retire_if_done(self, r: int) -> list[int]:
+        """Retire a row once every retire_after task acked it and no other task's lease still holds it
+        (a consumer that leased the row before it was retired can still write to it and ack it)."""
+        row = self.rows.get(r)
+        if row is None or not self._retire_after or not self._retire_after <= row.done:
+            return []
+        if any((row.group if t.whole_groups else r) in t.leased for t in self.tasks.values()):
+            return []
+        return self._retire(r)
 
     def _retire(self, r: int) -> list[int]:
         row = self.rows.pop(r)
@@ -277,35 +286,40 @@ class TableState:
         task = self.tasks[lease.task]
         return [r for u in lease.units for r in (self.groups[u] if task.whole_groups else [u])]
 
-    def release(self, lease_id: int, consumer: str) -> int:
-        """Give back a lease's unacked rows now (a consumer that will not use them); returns how many units."""
+    def release(self, lease_id: int, consumer: str) -> tuple[int, list[int]]:
+        """Give back a lease's unacked rows now (a consumer that will not use them). Returns how many
+        units, and the storage keys of rows this retires."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.consumer != consumer:
-            return 0
+            return 0, []
         units = len(lease.units)
-        self._return_to_pool(lease)
-        return units
+        return units, self._return_to_pool(lease)
 
-    def expire(self, now: float) -> bool:
-        """Return expired leases' unacked units to the front of their task's pool. True if any did."""
+    def expire(self, now: float) -> tuple[bool, list[int]]:
+        """Return expired leases' unacked units to the front of their task's pool. Returns whether any
+        did, and the storage keys of rows this retires."""
         changed = False
+        freed: list[int] = []
         while self._expiry and self._expiry[0][0] <= now:
             deadline, lease_id = heapq.heappop(self._expiry)
             lease = self.leases.get(lease_id)
             if lease is None or lease.deadline != deadline:
                 continue  # acked, released, or renewed (a newer heap entry exists)
-            self._return_to_pool(lease)
+            freed.extend(self._return_to_pool(lease))
             changed = True
-        return changed
+        return changed, freed
 
-    def _return_to_pool(self, lease: Lease) -> None:
-        """A lease's unacked units go back to the front of its task's pool."""
+    def _return_to_pool(self, lease: Lease) -> list[int]:
+        """A lease's unacked units go back to the front of its task's pool; rows whose life already
+        ended (retire_after acked them while this lease held them) are retired instead."""
         del self.leases[lease.lease_id]
         task = self.tasks[lease.task]
         back = [u for u in lease.units if task.leased.get(u) == lease.lease_id]
         for u in back:
             del task.leased[u]
         task.ready = dict.fromkeys([*back, *task.ready])
+        members = [r for u in back for r in (list(self.groups.get(u, ())) if task.whole_groups else [u])]
+        return [k for r in members for k in self._retire_if_done(r)]
 
     def next_deadline(self) -> float | None:
         return self._expiry[0][0] if self._expiry else None

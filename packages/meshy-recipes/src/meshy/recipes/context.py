@@ -25,11 +25,13 @@ TRAIN_TASK = "train"
 
 
 def rollout_table(recipe: Recipe) -> TableSpec:
-    """The run's one table: the shared rollout columns plus the task's ground truth."""
+    """The run's one table: the shared rollout columns plus the task's ground truth. A row is freed
+    once training (and the critic, and every custom role that names its task) acked it."""
+    retire_after = (TRAIN_TASK, "critic_train") if recipe.algorithm.kind == "ppo" else (TRAIN_TASK,)
     base = cols.rollout_table(
         group_size=recipe.algorithm.group_size,
         teacher_topk=recipe.algorithm.teacher_topk if recipe.algorithm.kind == "distill" else 0,
-        retire_after=(TRAIN_TASK, "critic_train") if recipe.algorithm.kind == "ppo" else (TRAIN_TASK,),
+        retire_after=retire_after + tuple(c.task for c in recipe.roles.custom if c.task),
     )
     columns = (*base.columns, Column(GROUND_TRUTH, "str"), *recipe.extra_columns)
     return TableSpec(base.name, columns, base.group_size, base.max_row_bytes, base.retire_after)

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cls = role_class(recipe, slot)
         custom = next((c for c in recipe.roles.custom if c.name == slot.role), None)
-        role = cls(ctx, **custom.options) if custom is not None else cls(ctx)
+        role = cls(ctx, **custom.arguments()) if custom is not None else cls(ctx)
         role.run()
     except BaseException:
         failed = True

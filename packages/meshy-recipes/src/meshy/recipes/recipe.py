@@ -41,13 +41,17 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class CustomRoleSpec:
-    """A role the framework does not know: `cls` is an import path "package.module:Class"."""
+    """A role the framework does not know: `cls` is an import path "package.module:Class", built as
+    `cls(ctx, **options)`. task: the data-plane task under which the role leases and acks rows, if it
+    consumes them; the table then keeps every row until that task has acked it too, and the class also
+    gets `task=...`. Without it, rows are freed once training is done with them, scored or not."""
 
     name: str
     cls: str
     processes: int = 1
     devices_per_process: int = 0
     options: dict = field(default_factory=dict)
+    task: str = ""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -55,6 +59,12 @@ class CustomRoleSpec:
             raise SchemaError(f"custom role name {self.name!r}: expected an identifier other than {BUILTIN_ROLES}")
         if ":" not in self.cls:
             raise SchemaError(f"custom role {self.name}: cls {self.cls!r} is not 'package.module:Class'")
+        if self.task and "task" in self.options:
+            raise SchemaError(f"custom role {self.name}: options.task: set it once, as task, not in options")
+
+    def arguments(self) -> dict:
+        """The keyword arguments the role class is built with (after ctx)."""
+        return {**self.options, "task": self.task} if self.task else dict(self.options)
 
 
 @dataclass(frozen=True)
