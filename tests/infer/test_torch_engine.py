@@ -325,3 +325,36 @@ async def test_cuda_engine_matches_cpu_and_release_frees_the_device(weights):
     assert (await running).output_ids == reference.output_ids
     for engine in (cpu, gpu):
         await engine.close()
+
+
+@pytest.mark.parametrize("vocab", [17, 151936])
+def test_batched_sampling_draws_each_request_s_tokens_as_multinomial_would_alone(vocab):
+    """The RL rows of a batch are sampled together; each request still gets exactly the tokens that
+    `torch.multinomial` on its own probabilities with its own generator gives (its seed's stream)."""
+    from concurrent.futures import Future
+
+    from meshy.infer.torch_engine import _Request, sample
+
+    params = [SamplingParams(max_new_tokens=8, temperature=t, top_k=k) for t, k in [(1.0, 0), (0.7, 0), (1.0, 5)]]
+    params.append(SamplingParams(max_new_tokens=8, temperature=0.0))
+    requests = [_Request(str(i), [1], p, frozenset(), Future()) for i, p in enumerate(params * 2)]
+    alone = [torch.Generator().manual_seed(i) for i in range(len(requests))]
+    for i, request in enumerate(requests):
+        request.generator = torch.Generator().manual_seed(i)
+    logits_gen = torch.Generator().manual_seed(99)
+    for _ in range(20):
+        logits = torch.randn(len(requests), vocab, generator=logits_gen) * 4
+        tokens, logprobs = sample(logits, requests)
+        for i, request in enumerate(requests):
+            p = request.params
+            scaled = logits[i] / (p.temperature or 1.0)
+            if p.temperature == 0:
+                expected = int(logits[i].argmax())
+            elif p.top_k:
+                kept = scaled.topk(p.top_k)
+                truncated = torch.full_like(scaled, -torch.inf).scatter_(0, kept.indices, kept.values)
+                expected = int(torch.multinomial(torch.softmax(truncated, -1), 1, generator=alone[i])[0])
+            else:
+                expected = int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=alone[i])[0])
+            assert tokens[i] == expected, (i, p)
+            assert logprobs[i] == pytest.approx(float(torch.log_softmax(scaled, -1)[expected]), abs=1e-6)

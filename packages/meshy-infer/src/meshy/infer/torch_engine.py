@@ -115,14 +115,31 @@ def _draw(scaled: torch.Tensor, top_k: int, top_p: float, generator: torch.Gener
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
+def _truncated(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab or params.top_p < 1
+
+
 def sample(logits: torch.Tensor, requests: Sequence[_Request]) -> tuple[list[int], list[float]]:
     """The next token of each row of float32 logits [batch, vocab], and its logprob: the log-softmax of
-    logits / temperature (1 when greedy) at that token, before top-k/top-p truncation."""
+    logits / temperature (1 when greedy) at that token, before top-k/top-p truncation.
+
+    Rows sampled from the full distribution (the RL case) are drawn together, the way
+    `torch.multinomial(probs, 1)` draws one: argmax(probs / q), q ~ Exp(1) per token, each row's q from
+    its own request's generator. A request gets exactly the tokens it got drawn alone, for its seed,
+    without a per-row softmax and a per-row host sync. Rows with top-k/top-p are drawn one by one."""
     temperatures = [r.params.temperature or 1.0 for r in requests]
     scaled = logits / torch.tensor(temperatures, device=logits.device)[:, None]
     chosen = logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    full = [i for i, r in enumerate(requests) if r.params.temperature > 0 and not _truncated(r.params, vocab)]
+    if full:
+        rows = torch.tensor(full, device=logits.device)
+        noise = torch.empty(len(full), vocab, device=logits.device)
+        for row, i in enumerate(full):
+            noise[row].exponential_(generator=requests[i].generator)
+        chosen[rows] = (torch.softmax(scaled[rows], dim=-1) / noise).argmax(dim=-1)
     for i, request in enumerate(requests):
-        if request.params.temperature > 0:
+        if request.params.temperature > 0 and _truncated(request.params, vocab):
             chosen[i] = _draw(scaled[i], request.params.top_k, request.params.top_p, request.generator)
     logprobs = torch.log_softmax(scaled, dim=-1).gather(1, chosen[:, None])[:, 0]
     return chosen.tolist(), logprobs.tolist()
