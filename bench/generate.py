@@ -12,13 +12,15 @@ with at most `--batch` generating at once: HF `generate` takes them in static ba
   A static batch decodes until its longest member is done (what a batch does when its members hit EOS
   at different steps); the engine frees a finished request's slot and admits the next at once.
 
-Tokens/s counts the tokens the requests asked for (the same for both), over wall time after a warm-up.
+Tokens/s counts the tokens the requests asked for (the same for both), over wall time after a warm-up;
+the two sides run alternately `--repeats` times and each reports its median.
 """
 
 import argparse
 import asyncio
 import json
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -89,8 +91,7 @@ async def run_engine(engine: TorchEngine, requests: list[tuple[list[int], int]])
     assert [len(o.output_ids) for o in outputs] == [n for _, n in requests]
 
 
-def timed(fn: Callable[[], object]) -> float:
-    fn()  # warm-up (allocations, first-call dispatch)
+def seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -102,13 +103,22 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]
     engine = TorchEngine(directory, max_running=args.batch, max_len=args.prompt + args.response, dtype="float32")
     loop = asyncio.new_event_loop()
     rows = []
+
+    def on_engine(requests: list[tuple[list[int], int]]) -> None:
+        loop.run_until_complete(run_engine(engine, requests))
+
     try:
         for kind in ("equal", "mixed"):
             requests = workload(kind, args, hf.config.vocab_size)
             tokens = sum(n for _, n in requests)
-            hf_s = timed(partial(run_hf, hf, requests, args.batch))
-            engine_s = timed(lambda r=requests: loop.run_until_complete(run_engine(engine, r)))
-            rows.append((name, kind, tokens, tokens / hf_s, tokens / engine_s, hf_s / engine_s))
+            run_hf(hf, requests[: args.batch], args.batch)  # warm-up: allocations, first-call dispatch
+            on_engine(requests[: args.batch])
+            hf_s, engine_s = [], []
+            for _ in range(args.repeats):  # alternated, so both see the machine in the same state
+                hf_s.append(seconds(partial(run_hf, hf, requests, args.batch)))
+                engine_s.append(seconds(partial(on_engine, requests)))
+            hf_median, engine_median = statistics.median(hf_s), statistics.median(engine_s)
+            rows.append((name, kind, tokens, tokens / hf_median, tokens / engine_median, hf_median / engine_median))
     finally:
         loop.run_until_complete(engine.close())
         loop.close()
@@ -122,6 +132,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--response", type=int, default=128)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (median reported)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,7 +140,8 @@ def main() -> None:
             rows += compare(name, publish(MODELS[name], Path(tmp) / name), args)
     print(
         f"\nTorchEngine vs HF generate: {args.requests} requests, batch {args.batch}, prompt <= {args.prompt}, "
-        f"response <= {args.response}, fp32, {torch.get_num_threads()} threads\n"
+        f"response <= {args.response}, fp32, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats} alternated runs per side\n"
     )
     print("| model | lengths | tokens | HF tok/s | TorchEngine tok/s | speedup |\n|---|---|---|---|---|---|")
     for name, kind, tokens, hf_rate, engine_rate, speedup in rows:

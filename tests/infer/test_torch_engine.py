@@ -327,34 +327,61 @@ async def test_cuda_engine_matches_cpu_and_release_frees_the_device(weights):
         await engine.close()
 
 
-@pytest.mark.parametrize("vocab", [17, 151936])
-def test_batched_sampling_draws_each_request_s_tokens_as_multinomial_would_alone(vocab):
-    """The RL rows of a batch are sampled together; each request still gets exactly the tokens that
-    `torch.multinomial` on its own probabilities with its own generator gives (its seed's stream)."""
+def _requests(params: list[SamplingParams]) -> list:
     from concurrent.futures import Future
 
-    from meshy.infer.torch_engine import _Request, sample
+    from meshy.infer.torch_engine import _Request
 
-    params = [SamplingParams(max_new_tokens=8, temperature=t, top_k=k) for t, k in [(1.0, 0), (0.7, 0), (1.0, 5)]]
-    params.append(SamplingParams(max_new_tokens=8, temperature=0.0))
-    requests = [_Request(str(i), [1], p, frozenset(), Future()) for i, p in enumerate(params * 2)]
-    alone = [torch.Generator().manual_seed(i) for i in range(len(requests))]
+    requests = [_Request(str(i), [1], p, frozenset(), Future()) for i, p in enumerate(params)]
     for i, request in enumerate(requests):
         request.generator = torch.Generator().manual_seed(i)
-    logits_gen = torch.Generator().manual_seed(99)
-    for _ in range(20):
-        logits = torch.randn(len(requests), vocab, generator=logits_gen) * 4
-        tokens, logprobs = sample(logits, requests)
-        for i, request in enumerate(requests):
-            p = request.params
-            scaled = logits[i] / (p.temperature or 1.0)
-            if p.temperature == 0:
-                expected = int(logits[i].argmax())
-            elif p.top_k:
-                kept = scaled.topk(p.top_k)
-                truncated = torch.full_like(scaled, -torch.inf).scatter_(0, kept.indices, kept.values)
-                expected = int(torch.multinomial(torch.softmax(truncated, -1), 1, generator=alone[i])[0])
-            else:
-                expected = int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=alone[i])[0])
-            assert tokens[i] == expected, (i, p)
-            assert logprobs[i] == pytest.approx(float(torch.log_softmax(scaled, -1)[expected]), abs=1e-6)
+    return requests
+
+
+def test_sampled_tokens_follow_the_softmax_and_each_request_s_depend_only_on_its_seed():
+    from meshy.infer.torch_engine import sample
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0] + [-1e4] * 3)
+    full, cool = SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=1, temperature=0.5)
+    requests = _requests([full, cool] * 1000)
+    counts = torch.zeros(2, 8)
+    for _ in range(10):
+        tokens, logprobs = sample(logits.expand(len(requests), 8), requests)
+        for i, token in enumerate(tokens):
+            counts[i % 2, token] += 1
+            scaled = logits / requests[i].params.temperature
+            assert logprobs[i] == pytest.approx(float(torch.log_softmax(scaled, -1)[token]), abs=1e-5)
+    for row, temperature in enumerate((1.0, 0.5)):
+        expected = torch.softmax(logits / temperature, -1) * 10_000
+        assert counts[row, 5:].sum() == 0, "tokens of (near) zero probability are never drawn"
+        assert torch.all((counts[row, :4] - expected[:4]).abs() <= 5 * expected[:4].sqrt() + 3), (counts, expected)
+    alone = _requests([full] * 6)
+    in_batch = _requests([full, cool, SamplingParams(max_new_tokens=1, temperature=0.0)] * 2)
+    step_logits = torch.randn(6, 512, generator=torch.Generator().manual_seed(5))
+    for _ in range(5):
+        drawn_alone = [sample(step_logits[i : i + 1], [alone[i]])[0][0] for i in (0, 3)]
+        drawn_in_batch = sample(step_logits, in_batch)[0]
+        assert drawn_alone == [drawn_in_batch[0], drawn_in_batch[3]], "a request's tokens depend on its seed only"
+
+
+def test_a_batched_prefill_of_uneven_prompts_matches_the_full_forward_and_decodes_on(weights):
+    """Prompts of different lengths prefilled in one padded forward give each one's own logits, and the
+    padding left in the cache never reaches a later decode step."""
+    from meshy.infer.torch_model import KVCache
+
+    config, first, _ = weights
+    model = load_model(ModelConfig.from_hf(config), first, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, ARCH.vocab_size, (n,), generator=gen) for n in (9, 3, 14)]
+    cache = KVCache(model.config, 4, 32, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        prompts = [s[:-2] for s in sequences]
+        logits = [model.prefill(prompts, cache, [3, 0, 2])]
+        for step in (2, 1):  # decode the last two tokens of each sequence
+            positions = torch.tensor([len(s) - step for s in sequences])
+            tokens = torch.stack([s[-step] for s in sequences])
+            logits.append(model.decode(tokens, cache, torch.tensor([3, 0, 2]), positions))
+        for i, sequence in enumerate(sequences):
+            full = model.score_logits(torch.cat([sequence, sequence[:1]])[None])[0]  # logits after each token
+            ours = torch.stack([step_logits[i] for step_logits in logits])
+            assert (ours - full[-3:]).abs().max().item() <= 1e-4, i

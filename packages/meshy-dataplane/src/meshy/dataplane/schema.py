@@ -106,7 +106,8 @@ class TableSpec:
 
     group_size: rows per group (n samples of one prompt); a whole-group consumer never sees part of one.
     max_row_bytes: largest row a put accepts.
-    retire_after: tasks whose acks end a row's life: once all of them acked it, the row is deleted.
+    retire_after: tasks whose acks end a row's life: once all of them acked it and no lease of any other
+        task still holds it, the row is deleted (a task not listed sees only the rows still there).
     """
 
     name: str

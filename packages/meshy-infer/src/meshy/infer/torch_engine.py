@@ -44,6 +44,7 @@ from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_mod
 # A published version (verified), an HF checkpoint directory (config.json and *.safetensors, sharded or
 # not), or a config.json dict with HF-named tensors.
 ModelSource = Published | str | os.PathLike | tuple[Mapping, Mapping[str, torch.Tensor]]
+PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most (bounds its activations)
 
 
 def read_model(source: ModelSource) -> tuple[dict, Mapping[str, torch.Tensor]]:
@@ -123,26 +124,42 @@ def sample(logits: torch.Tensor, requests: Sequence[_Request]) -> tuple[list[int
     """The next token of each row of float32 logits [batch, vocab], and its logprob: the log-softmax of
     logits / temperature (1 when greedy) at that token, before top-k/top-p truncation.
 
-    Rows sampled from the full distribution (the RL case) are drawn together, the way
-    `torch.multinomial(probs, 1)` draws one: argmax(probs / q), q ~ Exp(1) per token, each row's q from
-    its own request's generator. A request gets exactly the tokens it got drawn alone, for its seed,
-    without a per-row softmax and a per-row host sync. Rows with top-k/top-p are drawn one by one."""
+    Rows sampled from the full distribution (the RL case) are drawn together by inverting their CDFs,
+    each at one uniform from its own request's generator: a request's tokens depend only on its seed,
+    not on what else is in the batch, and a step costs one draw per row instead of one per vocabulary
+    entry (torch.multinomial draws an exponential for every token). Rows with top-k/top-p go one by one."""
     temperatures = [r.params.temperature or 1.0 for r in requests]
     scaled = logits / torch.tensor(temperatures, device=logits.device)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
     chosen = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     full = [i for i, r in enumerate(requests) if r.params.temperature > 0 and not _truncated(r.params, vocab)]
     if full:
         rows = torch.tensor(full, device=logits.device)
-        noise = torch.empty(len(full), vocab, device=logits.device)
-        for row, i in enumerate(full):
-            noise[row].exponential_(generator=requests[i].generator)
-        chosen[rows] = (torch.softmax(scaled[rows], dim=-1) / noise).argmax(dim=-1)
+        cdf = logprobs[rows].exp().cumsum(dim=-1)
+        uniforms = torch.cat([torch.rand(1, generator=requests[i].generator, device=logits.device) for i in full])
+        drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+        chosen[rows] = drawn.clamp(max=vocab - 1)
     for i, request in enumerate(requests):
         if request.params.temperature > 0 and _truncated(request.params, vocab):
             chosen[i] = _draw(scaled[i], request.params.top_k, request.params.top_p, request.generator)
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(1, chosen[:, None])[:, 0]
-    return chosen.tolist(), logprobs.tolist()
+    return chosen.tolist(), logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+
+
+def _prefill_chunks(requests: list[_Request], length: Callable[[_Request], int]) -> list[list[_Request]]:
+    """Consecutive runs of requests whose prefill, padded to the run's longest, stays within PREFILL_TOKENS
+    (a request longer than that alone is one run)."""
+    chunks: list[list[_Request]] = []
+    longest = 0
+    for request in requests:
+        longest_with = max(longest, length(request))
+        if chunks and longest_with * (len(chunks[-1]) + 1) <= PREFILL_TOKENS:
+            chunks[-1].append(request)
+            longest = longest_with
+        else:
+            chunks.append([request])
+            longest = length(request)
+    return chunks
 
 
 class _Scheduler:
@@ -189,7 +206,9 @@ class _Scheduler:
             call.done.set_exception(e)
 
     def step(self) -> None:
-        """Admit what fits (one prefill each), then one decode step for every running request."""
+        """Admit what fits (their prompts prefilled together, up to PREFILL_TOKENS padded tokens per
+        forward), then one decode step for every running request."""
+        admitted: list[_Request] = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
             if request.params.max_new_tokens == 0:
@@ -197,26 +216,32 @@ class _Scheduler:
                 continue
             request.slot = self.free_slots.pop()
             self.running[request.slot] = request
-            self._prefill(request)
+            admitted.append(request)
+        for chunk in _prefill_chunks(admitted, lambda r: len(r.prompt)):
+            self._prefill(chunk)
         if self.running:
             self._decode()
 
-    def _prefill(self, request: _Request) -> None:
-        request.generator = torch.Generator(self.device)
-        if request.params.seed is None:
-            request.generator.seed()
-        else:
-            request.generator.manual_seed(request.params.seed)
-        tokens = torch.tensor(request.prompt, device=self.device)
-        logits = self.model.prefill(tokens, self.cache, request.slot)
-        request.cached = len(request.prompt)
-        self._emit([request], logits[None])
+    def _prefill(self, requests: list[_Request]) -> None:
+        for request in requests:
+            request.generator = torch.Generator(self.device)
+            if request.params.seed is None:
+                request.generator.seed()
+            else:
+                request.generator.manual_seed(request.params.seed)
+        prompts = [torch.tensor(r.prompt, device=self.device) for r in requests]
+        logits = self.model.prefill(prompts, self.cache, [r.slot for r in requests])
+        for request in requests:
+            request.cached = len(request.prompt)
+        self._emit(requests, logits)
 
-    def _refill(self, request: _Request) -> None:
-        """Recompute a running request's cache (dropped by `release`); its last token is fed next step."""
-        sequence = (request.prompt + request.output)[:-1]
-        self.model.prefill(torch.tensor(sequence, device=self.device), self.cache, request.slot)
-        request.cached = len(sequence)
+    def _refill(self, requests: list[_Request]) -> None:
+        """Recompute running requests' caches (dropped by `release`); each one's last token is fed next step."""
+        sequences = [(r.prompt + r.output)[:-1] for r in requests]
+        tensors = [torch.tensor(s, device=self.device) for s in sequences]
+        self.model.prefill(tensors, self.cache, [r.slot for r in requests])
+        for request, sequence in zip(requests, sequences, strict=True):
+            request.cached = len(sequence)
 
     def _decode(self) -> None:
         requests = [self.running[slot] for slot in sorted(self.running)]
@@ -285,8 +310,9 @@ class _Scheduler:
             return
         self.model.to(self.device)
         self.cache = KVCache(self.config, self.max_running, self.max_len, self.device, self.dtype)
-        for request in self.running.values():
-            self._refill(request)
+        running = list(self.running.values())
+        for chunk in _prefill_chunks(running, lambda r: len(r.prompt) + len(r.output) - 1):
+            self._refill(chunk)
         self.released = False
         held, self.held = self.held, []
         for call in held:

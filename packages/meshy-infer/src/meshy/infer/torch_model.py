@@ -6,7 +6,7 @@ is Llama with RMSNorm over head_dim on q and k before RoPE; Qwen3-MoE replaces e
 mixture of SwiGLU experts. RoPE is the default rotate-half kind (no scaling).
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,15 +121,17 @@ class _Causal:
 
 
 class _Prefill(_Causal):
-    """One sequence from position 0: causal attention over itself, keys and values stored in its slot."""
+    """Sequences from position 0, right-padded to the longest, each stored in its slot. Causal attention
+    keeps every real token from seeing the padding after it; the padding's keys and values land past a
+    slot's length, where decoding overwrites each position before any query can attend to it."""
 
-    def __init__(self, cache: KVCache, slot: int):
-        self.cache, self.slot = cache, slot
+    def __init__(self, cache: KVCache, slots: torch.Tensor):
+        self.cache, self.slots = cache, slots
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        length = k.shape[2]
-        self.cache.keys[layer][self.slot, :, :length] = k[0]
-        self.cache.values[layer][self.slot, :, :length] = v[0]
+        width = k.shape[2]
+        self.cache.keys[layer][self.slots, :, :width] = k
+        self.cache.values[layer][self.slots, :, :width] = v
         return super().attend(layer, q, k, v)
 
 
@@ -289,10 +291,15 @@ class DecoderModel(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return self.logits(self.hidden(tokens, positions, _Causal())[:, start:-1])
 
-    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
-        """Store a sequence [seq] in `slot` of the cache; the float32 logits [vocab] after its last token."""
-        positions = torch.arange(tokens.shape[0], device=tokens.device)[None]
-        return self.logits(self.hidden(tokens[None], positions, _Prefill(cache, slot))[0, -1])
+    def prefill(self, sequences: Sequence[torch.Tensor], cache: KVCache, slots: Sequence[int]) -> torch.Tensor:
+        """Store each sequence [seq_i] in its slot of the cache, in one forward; the float32 logits
+        [batch, vocab] after each one's last token."""
+        device = sequences[0].device
+        tokens = nn.utils.rnn.pad_sequence(list(sequences), batch_first=True)
+        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+        hidden = self.hidden(tokens, positions, _Prefill(cache, torch.tensor(list(slots), device=device)))
+        last = torch.tensor([len(s) - 1 for s in sequences], device=device)
+        return self.logits(hidden[torch.arange(len(sequences), device=device), last])
 
     def decode(
         self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor
