@@ -385,3 +385,12 @@ def test_a_batched_prefill_of_uneven_prompts_matches_the_full_forward_and_decode
             full = model.score_logits(torch.cat([sequence, sequence[:1]])[None])[0]  # logits after each token
             ours = torch.stack([step_logits[i] for step_logits in logits])
             assert (ours - full[-3:]).abs().max().item() <= 1e-4, i
+
+
+def test_admitted_prompts_are_prefilled_in_runs_of_at_most_prefill_tokens_padded():
+    from meshy.infer.torch_engine import PREFILL_TOKENS, _prefill_chunks
+
+    big, mid, over = PREFILL_TOKENS * 5 // 8, PREFILL_TOKENS * 3 // 8, PREFILL_TOKENS + 1
+    chunks = _prefill_chunks([big, mid, 100, over, 10, 10], lambda n: n)
+    assert chunks == [[big], [mid, 100], [over], [10, 10]]
+    assert all(max(c) * len(c) <= PREFILL_TOKENS for c in chunks if len(c) > 1)
