@@ -47,6 +47,10 @@ def test_the_embedded_default_loads_and_resolves():
         (lambda t: t.replace("vocab_size = 17", "vocab = 17"), "overrides: unknown architecture fields ['vocab']"),
         (lambda t: 'colocate = [["training", "reward"]]\n' + t, "colocate: unknown role 'reward'"),
         (
+            lambda t: 'colocate = [["training", "teacher"]]\n' + t + "\n[roles.teacher]\nprocesses = 1\n",
+            "colocate: role 'teacher' does not take part in a GPU token ring; roles that do: ['training', 'inference']",
+        ),
+        (
             lambda t: t.replace("prompts_per_step = 32", "prompts_per_step = 3").replace(
                 "[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2"
             ),

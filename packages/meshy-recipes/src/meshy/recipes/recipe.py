@@ -23,6 +23,7 @@ from meshy.train.parallel import ParallelConfig
 from meshy.train.trainer import LossConfig, OptimConfig
 
 BUILTIN_ROLES = ("training", "inference", "rollout", "critic", "teacher")
+RING_ROLES = ("training", "inference")  # the roles that hand devices over through a GPU token ring
 DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
 
 
@@ -254,6 +255,11 @@ class Recipe:
             for role in ring:
                 if role not in roles:
                     raise SchemaError(f"colocate: unknown role {role!r}; roles are {list(roles)}")
+                if role not in RING_ROLES:
+                    raise SchemaError(
+                        f"colocate: role {role!r} does not take part in a GPU token ring; roles that do: "
+                        f"{list(RING_ROLES)}"
+                    )
                 if role in seen:
                     raise SchemaError(f"colocate: role {role!r} is in more than one ring")
                 seen.add(role)
