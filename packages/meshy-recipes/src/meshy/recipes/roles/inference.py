@@ -6,6 +6,7 @@ from meshy.dataplane.weights import WEIGHTS_STREAM, Published
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
 from meshy.recipes.colocation import join_ring
 from meshy.recipes.context import RoleContext
+from meshy.recipes.engines import build_engine
 
 
 class InferenceRole:
@@ -26,25 +27,6 @@ class InferenceRole:
             return None
         finally:
             reader.close()
-
-    def _engine(self, published: Published):
-        sampling = self.ctx.recipe.sampling
-        if sampling.engine == "sglang":
-            from meshy.infer.sglang_engine import SGLangEngine
-
-            device = "cpu" if self.ctx.slot.device == "cpu" else "cuda"
-            return SGLangEngine(
-                published,
-                max_running=sampling.max_in_flight,
-                max_len=sampling.context_length,
-                device=device,
-                colocate=self.ctx.slot.ring is not None,
-            )
-        from meshy.infer.torch_engine import TorchEngine
-
-        return TorchEngine(
-            published, max_running=sampling.max_in_flight, max_len=sampling.context_length, device=self.ctx.slot.device
-        )
 
     async def _share_devices(self, engine, stop: asyncio.Event) -> None:
         """As the ring's FALLBACK member: hand the devices over when asked (pause, release memory) and
@@ -74,7 +56,7 @@ class InferenceRole:
         published = await asyncio.to_thread(self._first_weights)
         if published is None:
             return
-        engine = self._engine(published)
+        engine = build_engine(ctx, published, colocate=ctx.slot.ring is not None)
         config = InferenceServiceConfig(
             table=ctx.table,
             max_in_flight=sampling.max_in_flight,

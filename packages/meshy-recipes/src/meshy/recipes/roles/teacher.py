@@ -1,10 +1,11 @@
-"""The teacher role (online policy distillation): a fixed teacher model scores every response."""
+"""The teacher role (online policy distillation): a fixed teacher model scores every response, on the
+engine the recipe names (`sampling.engine`), like the inference role."""
 
 import asyncio
 
 from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
-from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.context import RoleContext
+from meshy.recipes.engines import build_engine
 from meshy.recipes.pretrained import resolve
 
 
@@ -18,12 +19,7 @@ class TeacherRole:
 
     async def _serve(self) -> None:
         ctx, recipe = self.ctx, self.ctx.recipe
-        engine = TorchEngine(
-            resolve(recipe.model.teacher),
-            max_running=recipe.sampling.max_in_flight,
-            max_len=recipe.sampling.context_length,
-            device=ctx.slot.device,
-        )
+        engine = build_engine(ctx, resolve(recipe.model.teacher))
         service = TeacherService(
             ctx.client, engine, TeacherServiceConfig(table=ctx.table, top_k=recipe.algorithm.teacher_topk)
         )
