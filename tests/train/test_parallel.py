@@ -47,3 +47,18 @@ def test_weights_load_into_a_model_and_reproduce_it():
     assert not torch.equal(forward_logits(source, tokens), forward_logits(target, tokens))
     load_weights(target, arch, dict(hf_tensors(source, arch, torch.float32)))
     assert torch.equal(forward_logits(source, tokens), forward_logits(target, tokens))
+
+
+def test_a_pinned_gpu_overrides_local_rank_and_cpu_stays_cpu(monkeypatch):
+    """A launcher pins each role process to its topology's GPU (a critic at rank 8 may own cuda:6);
+    without a pin, torchrun's LOCAL_RANK names the GPU; without CUDA, everything is on the CPU."""
+    from meshy.train import cpu, parallel
+
+    monkeypatch.setenv("LOCAL_RANK", "8")
+    monkeypatch.setattr(parallel, "_pinned", None)
+    monkeypatch.setattr(cpu, "on_cpu", lambda: False)
+    assert parallel.local_device() == torch.device("cuda", 8)
+    parallel.use_device("cuda:6")
+    assert parallel.local_device() == torch.device("cuda", 6)
+    monkeypatch.setattr(cpu, "on_cpu", lambda: True)
+    assert parallel.local_device() == torch.device("cpu")

@@ -22,7 +22,7 @@ from meshy.recipes.context import RoleContext, announce_stop, rollout_table
 from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.topology import Slot, assign
-from meshy.train.parallel import init_process_group
+from meshy.train.parallel import init_process_group, use_device
 
 RUN_DIR_ENV = "MESHY_RUN_DIR"
 DONE_KEY = "meshy/done"
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     recipe = load_recipe(argv[0] if argv else None)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     slot = assign(recipe, world, gpus_per_node=torch.cuda.device_count())[rank]
+    if slot.device != "cpu":
+        use_device(slot.device)  # the topology's GPU for this role, not the one LOCAL_RANK would name
     directory = run_dir(recipe)
     (directory / "logs").mkdir(parents=True, exist_ok=True)
     store = dist.TCPStore(

@@ -50,9 +50,23 @@ class ParallelConfig:
             raise SchemaError(f"ParallelConfig.dp_shard: expected -1 or a degree >= 1, got {self.dp_shard}")
 
 
+_pinned: torch.device | None = None  # this process's GPU, when a launcher chose it (use_device)
+
+
+def use_device(device: str | torch.device) -> None:
+    """Pin this process's model and process group to `device` (e.g. its role's GPU in a recipe's
+    topology, which need not be its LOCAL_RANK: a critic may be rank 8 on cuda:6)."""
+    global _pinned
+    _pinned = torch.device(device)
+
+
 def local_device() -> torch.device:
+    """The device this process builds its model on: CPU without CUDA, the pinned GPU if one was chosen,
+    else the GPU its torchrun LOCAL_RANK names."""
     if cpu.on_cpu():
         return torch.device("cpu")
+    if _pinned is not None:
+        return _pinned
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 

@@ -1,8 +1,11 @@
-"""The critic role (PPO with a learned critic, JustRL II style): values responses, trains on returns."""
+"""The critic role (PPO with a learned critic, JustRL II style): values responses, trains on returns.
+The critic is a copy of the policy's initial weights (`model.init`) with a scalar value head."""
 
+from meshy.infer.torch_engine import read_model
 from meshy.recipes.context import RoleContext
+from meshy.recipes.pretrained import SCRATCH, resolve
 from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
-from meshy.train.parallel import build_model
+from meshy.train.parallel import build_model, load_weights
 
 CRITIC_TRAIN_TASK = "critic_train"
 
@@ -13,6 +16,9 @@ class CriticRole:
         recipe, algo = ctx.recipe, ctx.recipe.algorithm
         arch = recipe.model.arch()
         backbone, _ = build_model(arch, algo.parallel, seed=recipe.seed)
+        if recipe.model.init != SCRATCH:
+            _, tensors = read_model(resolve(recipe.model.init))
+            load_weights(backbone, arch, tensors)
         model = ValueModel(backbone, arch.hidden_size, algo.initial_value)
         config = CriticServiceConfig(
             table=ctx.table,
