@@ -83,7 +83,9 @@ def init_process_group(
         torch.cuda.set_device(local_device())
     # Autograd's worker threads cannot see the mesh stack torchtitan keeps per thread (for AC).
     torch.autograd.set_multithreading_enabled(False)
-    backend, timeout = "gloo" if cpu.on_cpu() else "nccl", timedelta(seconds=timeout_s)
+    # On GPUs, NCCL for device tensors and gloo for the small host-tensor collectives (counts, flags,
+    # metrics) the services run: a process group of NCCL alone refuses CPU tensors.
+    backend, timeout = "gloo" if cpu.on_cpu() else "cpu:gloo,cuda:nccl", timedelta(seconds=timeout_s)
     if store is None:
         dist.init_process_group(backend, timeout=timeout)
     else:
