@@ -244,3 +244,34 @@ def test_the_same_recipe_and_seed_replay_the_same_rewards_in_lock_step(tmp_path)
     first, second = ([(m["version"], m["row_ids"], m["reward_mean"]) for m in metrics] for metrics in runs)
     assert first == second
     assert len({reward for _, _, reward in first}) > 1, "rewards that vary, so equality means something"
+
+
+def test_a_killed_ppo_run_resumes_its_critic_from_the_checkpoint_of_the_policy_version(tmp_path):
+    steps = 10
+    recipe = small_recipe(tmp_path, "1", tail="\n[roles.critic]\nprocesses = 1\n", steps=steps)
+    text = recipe.read_text().replace('kind = "grpo"', 'kind = "ppo"')
+    recipe.write_text(re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 2", text, flags=re.M))
+    command = [sys.executable, "-m", "meshy.recipes.cli", "run"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    crashed = subprocess.Popen([*command, str(recipe)], env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        deadline, run_dir = time.monotonic() + 240, None
+        while time.monotonic() < deadline and crashed.poll() is None:
+            run_dir = next((p for p in tmp_path.iterdir() if p.is_dir()), None)
+            saved = run_dir is not None and list((run_dir / "critic_checkpoints").glob("step-*"))
+            if saved and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 5:
+                break
+            time.sleep(0.05)
+        assert run_dir is not None and crashed.poll() is None, "the run should still be going at version 5"
+    finally:
+        kill_tree(crashed.pid)
+        crashed.wait()
+    policy = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
+    critic = [int(p.name.removeprefix("step-")) for p in (run_dir / "critic_checkpoints").glob("step-*")]
+    expected = max(v for v in critic if v <= policy)
+    resumed = subprocess.run([*command, "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    check_run(run_dir, 0, resumed_at=policy, steps=steps)
+    starts = [r for r in records(run_dir, "critic-0") if r["kind"] == "critic_start"]
+    assert [s["version"] for s in starts] == [0, expected] and starts[0]["steps"] == 0
+    assert starts[1]["steps"] > 0, "the critic carried on from its saved state, not from a fresh one"

@@ -13,7 +13,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,20 @@ import xxhash
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshy.dataplane.errors import DataPlaneError
-from meshy.train.trainer import PolicyTrainer
 
 _PREFIX = "step-"
 MANIFEST = "manifest.json"
 _CHUNK = 16 << 20
+
+
+class Trainer(Protocol):
+    """What a checkpoint saves and restores (the policy's and the critic's trainers)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    steps: int
+    skipped_nonfinite: int
 
 
 class CorruptCheckpoint(DataPlaneError):
@@ -63,7 +72,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _state(trainer: PolicyTrainer, cursors: dict[str, Any]) -> dict[str, Any]:
+def _state(trainer: Trainer, cursors: dict[str, Any]) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
     rank = _rank()
     return {
@@ -77,7 +86,7 @@ def _state(trainer: PolicyTrainer, cursors: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def save(root: str | Path, step: int, trainer: PolicyTrainer, cursors: dict[str, Any]) -> Path:
+def save(root: str | Path, step: int, trainer: Trainer, cursors: dict[str, Any]) -> Path:
     """Every rank calls this. Returns the checkpoint directory."""
     root = Path(root)
     final, tmp = root / f"{_PREFIX}{step:08d}", root / f".{_PREFIX}{step:08d}.tmp"
@@ -98,13 +107,24 @@ def save(root: str | Path, step: int, trainer: PolicyTrainer, cursors: dict[str,
     return final
 
 
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under root, if any."""
+def saved(root: str | Path) -> list[Path]:
+    """Every complete checkpoint under root, oldest first."""
     done = [p for p in Path(root).glob(f"{_PREFIX}*") if p.is_dir() and p.name[len(_PREFIX) :].isdigit()]
-    return max(done, key=lambda p: int(p.name[len(_PREFIX) :])) if done else None
+    return sorted(done, key=step_of)
 
 
-def load(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
+def step_of(path: str | Path) -> int:
+    """The step a checkpoint was saved at."""
+    return int(Path(path).name[len(_PREFIX) :])
+
+
+def latest(root: str | Path, at_most: int | None = None) -> Path | None:
+    """The newest complete checkpoint under root (saved at step `at_most` or before, if given), if any."""
+    done = [p for p in saved(root) if at_most is None or step_of(p) <= at_most]
+    return done[-1] if done else None
+
+
+def load(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     """Restore a trainer in place (model, optimizer, scheduler, step, RNG); returns the saved cursors."""
     path = Path(path)
     verify(path)

@@ -6,6 +6,7 @@ and trained in float32. The service is a role of its own: it writes the `values`
 responses, and trains on the `returns` column (clipped value loss) once the advantage step wrote it.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.train.logprobs import pack_rows
 from meshy.train.losses import aggregate, clipped_value_loss
-from meshy.train.trainer import OptimConfig
+from meshy.train.trainer import OptimConfig, adamw, reduce_over_ranks
 
 
 class ValueModel(nn.Module):
@@ -53,10 +54,9 @@ class CriticTrainer:
         self.model = model
         self.optim = optim
         self.value_clip = value_clip
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
-        )
+        self.optimizer, self.scheduler = adamw(model, optim)
         self.steps = 0
+        self.skipped_nonfinite = 0
 
     def step(self, batch: ValueBatch) -> dict[str, float]:
         tokens = torch.tensor([float(batch.mask.sum())], device=batch.mask.device)
@@ -73,10 +73,22 @@ class CriticTrainer:
             [p for p in self.model.parameters() if p.grad is not None], self.optim.max_grad_norm
         )
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.optimizer.step()
+        finite = torch.tensor(
+            float(math.isfinite(loss.item()) and math.isfinite(grad_norm.item())), device=tokens.device
+        )
+        if reduce_over_ranks(finite, dist.ReduceOp.MIN).item() == 1.0:  # as the policy: skipped on every rank, counted
+            self.optimizer.step()
+            self.scheduler.step()
+            self.steps += 1
+        else:
+            self.skipped_nonfinite += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        return {"value_loss": float(loss.detach()), "grad_norm": float(grad_norm), **stats}
+        return {
+            "value_loss": float(loss.detach()),
+            "grad_norm": float(grad_norm),
+            "skipped_nonfinite": float(self.skipped_nonfinite),
+            **stats,
+        }
 
 
 @dataclass(frozen=True)

@@ -114,10 +114,23 @@ class PolicyBatch:
     extra: dict = field(default_factory=dict)
 
 
-def _all_reduce(value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+def reduce_over_ranks(value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce in place over the default process group (a no-op in a single process); returns it."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(value, op=op)
     return value
+
+
+def adamw(model: torch.nn.Module, optim: OptimConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the model's parameters and its linear warm-up schedule (optim.warmup_steps)."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+    )
+    warmup = optim.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    )
+    return optimizer, scheduler
 
 
 class PolicyTrainer:
@@ -125,13 +138,7 @@ class PolicyTrainer:
         self.model = model
         self.loss = loss
         self.optim = optim
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
-        )
-        warmup = optim.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.optimizer, self.scheduler = adamw(model, optim)
         self.steps = 0
         self.skipped_nonfinite = 0
 
@@ -146,7 +153,7 @@ class PolicyTrainer:
         self._check(batch)
         local_tokens = batch.mask.sum()
         counts = torch.stack([local_tokens, (batch.mask.sum(dim=1) > 0).sum().to(local_tokens.dtype)]).float()
-        global_tokens, global_sequences = _all_reduce(counts.to(device)).tolist()
+        global_tokens, global_sequences = reduce_over_ranks(counts.to(device)).tolist()
         denominator = max(global_tokens if cfg.aggregation == "token_mean" else global_sequences, 1.0)
 
         logits = forward_logits(self.model, batch.tokens)
@@ -200,7 +207,7 @@ class PolicyTrainer:
         )
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         finite = torch.tensor(float(math.isfinite(loss.item()) and math.isfinite(grad_norm.item())), device=device)
-        if _all_reduce(finite, dist.ReduceOp.MIN).item() == 1.0:
+        if reduce_over_ranks(finite, dist.ReduceOp.MIN).item() == 1.0:
             self.optimizer.step()
             self.scheduler.step()
             self.steps += 1
@@ -208,7 +215,7 @@ class PolicyTrainer:
             self.skipped_nonfinite += 1
         self.optimizer.zero_grad(set_to_none=True)
         metrics.update(
-            loss=float(_all_reduce(loss.detach().clone())),
+            loss=float(reduce_over_ranks(loss.detach().clone())),
             grad_norm=float(grad_norm),
             lr=self.scheduler.get_last_lr()[0],
             skipped_nonfinite=float(self.skipped_nonfinite),
@@ -225,7 +232,7 @@ class PolicyTrainer:
                 positions = positions[torch.linspace(0, len(positions) - 1, limit).long()]
             picked = log_probs[positions[:, 0], positions[:, 1]].unsqueeze(0)
             totals = torch.stack([entropy_from_log_probs(picked).sum(), torch.tensor(float(len(positions)))])
-            entropy_sum, count = _all_reduce(totals.to(log_probs.device)).tolist()
+            entropy_sum, count = reduce_over_ranks(totals.to(log_probs.device)).tolist()
         return entropy_sum / max(count, 1.0)
 
     @staticmethod

@@ -1,13 +1,27 @@
 """The critic role (PPO with a learned critic, JustRL II style): values responses, trains on returns.
-The critic is a copy of the policy's initial weights (`model.init`) with a scalar value head."""
 
+The critic is a copy of the policy's initial weights (`model.init`) with a scalar value head. It
+checkpoints with the policy: when a version that is a multiple of `checkpoint_every` has been announced
+on every critic rank, they save their state under that version. A resumed run restores the critic
+saved at the policy's restored version or the newest before it, and discards the later ones.
+"""
+
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.infer.torch_engine import read_model
 from meshy.recipes.context import RoleContext
 from meshy.recipes.pretrained import SCRATCH, resolve
+from meshy.train import checkpoint
 from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.parallel import build_model, load_weights
+from meshy.train.trainer import reduce_over_ranks
 
 CRITIC_TRAIN_TASK = "critic_train"
+CHECKPOINTS = "critic_checkpoints"  # under the run directory, next to the policy's "checkpoints"
 
 
 class CriticRole:
@@ -16,9 +30,6 @@ class CriticRole:
         recipe, algo = ctx.recipe, ctx.recipe.algorithm
         arch = recipe.model.arch()
         backbone, _ = build_model(arch, algo.parallel, seed=recipe.seed)
-        if recipe.model.init != SCRATCH:
-            _, tensors = read_model(resolve(recipe.model.init))
-            load_weights(backbone, arch, tensors)
         model = ValueModel(backbone, arch.hidden_size, algo.initial_value)
         config = CriticServiceConfig(
             table=ctx.table,
@@ -28,14 +39,47 @@ class CriticRole:
             batch_timeout_s=0.2,
         )
         self.service = CriticService(ctx.client, CriticTrainer(model, algo.critic_optim, algo.value_clip), config)
+        self.saved_version = self._restore()
+        if self.saved_version == 0 and recipe.model.init != SCRATCH:
+            _, tensors = read_model(resolve(recipe.model.init))
+            load_weights(backbone, arch, tensors)
+
+    def _restore(self) -> int:
+        """The version of the critic state restored for a resumed run (0: none)."""
+        policy = checkpoint.latest(self.ctx.run_dir / "checkpoints")
+        root = self.ctx.run_dir / CHECKPOINTS
+        restored = None if policy is None else checkpoint.latest(root, at_most=checkpoint.step_of(policy))
+        if restored is not None:
+            checkpoint.load(restored, self.service.trainer)
+        version = 0 if restored is None else checkpoint.step_of(restored)
+        if self.ctx.slot.index == 0:
+            for later in checkpoint.saved(root):
+                if checkpoint.step_of(later) > version:
+                    shutil.rmtree(later)
+        return version
 
     def run(self) -> None:
-        self.ctx.watch_for_stop()
-        valued = steps = 0
-        while not self.ctx.stop.is_set():
+        ctx, every = self.ctx, self.ctx.recipe.checkpoint_every
+        ctx.watch_for_stop()
+        ctx.record("critic_start", version=self.saved_version, steps=self.service.trainer.steps)
+        weights = ctx.client.reader(WEIGHTS_STREAM, f"critic-{ctx.slot.index}-checkpoints", start="latest")
+        announced = valued = steps = 0
+        while not ctx.stop.is_set():
             valued += self.service.write_values()
             metrics = self.service.train_step(timeout=0.0)
             if metrics is not None:
                 steps += 1
-                self.ctx.record("critic_step", step=steps, **metrics)
-        self.ctx.record("critic", valued=valued, steps=steps)
+                ctx.record("critic_step", step=steps, **metrics)
+            for message in weights.read(max_n=1024, timeout=0.0):
+                announced = max(announced, message.payload["version"])
+            if every:
+                self._checkpoint_due(announced // every * every)
+        ctx.record("critic", valued=valued, steps=steps)
+
+    def _checkpoint_due(self, version: int) -> None:
+        """Save under the newest checkpoint version every critic rank has seen announced, once."""
+        agreed = int(reduce_over_ranks(torch.tensor([float(version)]), dist.ReduceOp.MIN).item())
+        if agreed > self.saved_version:
+            checkpoint.save(self.ctx.run_dir / CHECKPOINTS, agreed, self.service.trainer, {"version": agreed})
+            self.saved_version = agreed
+            self.ctx.record("critic_checkpoint", version=agreed, steps=self.service.trainer.steps)
