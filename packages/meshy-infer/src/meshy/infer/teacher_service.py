@@ -59,12 +59,14 @@ class TeacherService:
             )
             if batch is None:
                 continue
-            scored = [
-                await self._score(prompt, response)
-                for prompt, response in zip(
-                    batch.columns[cols.PROMPT_IDS], batch.columns[cols.RESPONSE_IDS], strict=True
+            scored = await asyncio.gather(  # in flight together: an engine that batches scores them at once
+                *(
+                    self._score(prompt, response)
+                    for prompt, response in zip(
+                        batch.columns[cols.PROMPT_IDS], batch.columns[cols.RESPONSE_IDS], strict=True
+                    )
                 )
-            ]
+            )
             columns = {
                 cols.TEACHER_TOPK_IDS: [s[0] for s in scored],
                 cols.TEACHER_TOPK_LOGPROBS: [s[1] for s in scored],
