@@ -1,13 +1,12 @@
 """The engine a recipe names (`sampling.engine`), built for one role process: the inference role's
 generator and the teacher role's scorer both come from here."""
 
-from meshy.dataplane.weights import Published
 from meshy.infer.engine import Engine
-from meshy.infer.torch_engine import ModelSource
+from meshy.infer.torch_engine import ModelSource, TorchEngine
 from meshy.recipes.context import RoleContext
 
 
-def build_engine(ctx: RoleContext, source: Published | ModelSource, colocate: bool = False) -> Engine:
+def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False) -> Engine:
     """SGLang (imported only when named) or the pure-torch engine, on the process's device, sized by
     `sampling.max_in_flight` and `sampling.context_length`. colocate: the engine will release and onload
     its device memory for a GPU token ring."""
@@ -22,8 +21,6 @@ def build_engine(ctx: RoleContext, source: Published | ModelSource, colocate: bo
             device="cpu" if ctx.slot.device == "cpu" else "cuda",
             colocate=colocate,
         )
-    from meshy.infer.torch_engine import TorchEngine
-
     return TorchEngine(
         source, max_running=sampling.max_in_flight, max_len=sampling.context_length, device=ctx.slot.device
     )

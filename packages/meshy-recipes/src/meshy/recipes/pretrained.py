@@ -17,10 +17,13 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import torch
+
 from meshy.dataplane import SchemaError
-from meshy.infer.torch_engine import config_json
+from meshy.infer.torch_engine import config_json, read_model
 from meshy.infer.torch_model import ModelConfig
 from meshy.train.models import DecoderArch, get_model
+from meshy.train.parallel import load_weights
 
 GGUF_PREFIX = "gguf:"
 HUB_PREFIX = "hf:"
@@ -73,6 +76,14 @@ def check_init(init: str, arch: DecoderArch) -> None:
                 f"init: {directory / 'config.json'} has {name} = {getattr(config, name)!r}, the model expects "
                 f"{getattr(arch, name)!r}"
             )
+
+
+def load_init(model: torch.nn.Module, arch: DecoderArch, init: str) -> None:
+    """Load the weights `init` names into a (possibly sharded) model of shape `arch`; "scratch" keeps
+    the model as built."""
+    if init != SCRATCH:
+        _, tensors = read_model(resolve(init))
+        load_weights(model, arch, tensors)
 
 
 def resolve(init: str) -> Path:

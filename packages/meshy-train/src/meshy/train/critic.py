@@ -6,20 +6,18 @@ and trained in float32. The service is a role of its own: it writes the `values`
 responses, and trains on the `returns` column (clipped value loss) once the advantage step wrote it.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torchtitan.distributed.utils import clip_grad_norm_
 
 from meshy.dataplane import Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.train.logprobs import pack_rows
 from meshy.train.losses import aggregate, clipped_value_loss
-from meshy.train.trainer import OptimConfig, adamw, reduce_over_ranks
+from meshy.train.trainer import OptimConfig, adamw, finite_step, reduce_over_ranks
 
 
 class ValueModel(nn.Module):
@@ -59,33 +57,21 @@ class CriticTrainer:
         self.skipped_nonfinite = 0
 
     def step(self, batch: ValueBatch) -> dict[str, float]:
-        tokens = torch.tensor([float(batch.mask.sum())], device=batch.mask.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(tokens)
+        tokens = reduce_over_ranks(torch.tensor([float(batch.mask.sum())], device=batch.mask.device))
         values = self.model(batch.tokens)
         token_loss, stats = clipped_value_loss(values, batch.old_values, batch.returns, batch.mask, self.value_clip)
         loss = aggregate(token_loss, batch.mask, "token_mean", max(tokens.item(), 1.0))
         loss.backward()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            for p in self.model.value_head.parameters():  # replicated, not sharded: sum its gradients by hand
-                dist.all_reduce(p.grad)
-        grad_norm = clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None], self.optim.max_grad_norm
-        )
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        finite = torch.tensor(
-            float(math.isfinite(loss.item()) and math.isfinite(grad_norm.item())), device=tokens.device
-        )
-        if reduce_over_ranks(finite, dist.ReduceOp.MIN).item() == 1.0:  # as the policy: skipped on every rank, counted
-            self.optimizer.step()
-            self.scheduler.step()
+        for p in self.model.value_head.parameters():  # replicated, not sharded: sum its gradients by hand
+            reduce_over_ranks(p.grad)
+        grad_norm, stepped = finite_step(self.model, self.optimizer, self.scheduler, loss, self.optim.max_grad_norm)
+        if stepped:
             self.steps += 1
         else:
             self.skipped_nonfinite += 1
-        self.optimizer.zero_grad(set_to_none=True)
         return {
             "value_loss": float(loss.detach()),
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "skipped_nonfinite": float(self.skipped_nonfinite),
             **stats,
         }

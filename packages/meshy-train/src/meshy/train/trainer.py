@@ -133,6 +133,27 @@ def adamw(model: torch.nn.Module, optim: OptimConfig) -> tuple[torch.optim.AdamW
     return optimizer, scheduler
 
 
+def finite_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loss: torch.Tensor,
+    max_grad_norm: float,
+) -> tuple[float, bool]:
+    """After backward: clip the gradients, then step (optimizer and schedule) only if the loss and the
+    gradient norm are finite on every rank, so all ranks skip together; the gradients are zeroed either
+    way. Returns the gradient norm and whether it stepped."""
+    grad_norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    finite = torch.tensor(float(math.isfinite(loss.item()) and math.isfinite(grad_norm.item())), device=loss.device)
+    stepped = reduce_over_ranks(finite, dist.ReduceOp.MIN).item() == 1.0
+    if stepped:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm), stepped
+
+
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, optim: OptimConfig, loss: LossConfig):
         self.model = model
@@ -202,21 +223,14 @@ class PolicyTrainer:
 
         loss = aggregate(token_loss, batch.mask, cfg.aggregation, denominator)
         loss.backward()
-        grad_norm = clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None], self.optim.max_grad_norm
-        )
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        finite = torch.tensor(float(math.isfinite(loss.item()) and math.isfinite(grad_norm.item())), device=device)
-        if reduce_over_ranks(finite, dist.ReduceOp.MIN).item() == 1.0:
-            self.optimizer.step()
-            self.scheduler.step()
+        grad_norm, stepped = finite_step(self.model, self.optimizer, self.scheduler, loss, self.optim.max_grad_norm)
+        if stepped:
             self.steps += 1
         else:
             self.skipped_nonfinite += 1
-        self.optimizer.zero_grad(set_to_none=True)
         metrics.update(
             loss=float(reduce_over_ranks(loss.detach().clone())),
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             lr=self.scheduler.get_last_lr()[0],
             skipped_nonfinite=float(self.skipped_nonfinite),
         )

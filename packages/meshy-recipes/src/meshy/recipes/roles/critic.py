@@ -12,12 +12,11 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.infer.torch_engine import read_model
 from meshy.recipes.context import RoleContext
-from meshy.recipes.pretrained import SCRATCH, resolve
+from meshy.recipes.pretrained import load_init
 from meshy.train import checkpoint
 from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
-from meshy.train.parallel import build_model, load_weights
+from meshy.train.parallel import build_model
 from meshy.train.trainer import reduce_over_ranks
 
 CRITIC_TRAIN_TASK = "critic_train"
@@ -40,9 +39,8 @@ class CriticRole:
         )
         self.service = CriticService(ctx.client, CriticTrainer(model, algo.critic_optim, algo.value_clip), config)
         self.saved_version = self._restore()
-        if self.saved_version == 0 and recipe.model.init != SCRATCH:
-            _, tensors = read_model(resolve(recipe.model.init))
-            load_weights(backbone, arch, tensors)
+        if self.saved_version == 0:
+            load_init(backbone, arch, recipe.model.init)
 
     def _restore(self) -> int:
         """The version of the critic state restored for a resumed run (0: none)."""

@@ -8,13 +8,12 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.infer.torch_engine import read_model
 from meshy.recipes.colocation import join_ring
 from meshy.recipes.context import TRAIN_TASK, RoleContext, announce_stop
-from meshy.recipes.pretrained import SCRATCH, resolve
+from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
 from meshy.train import checkpoint
-from meshy.train.parallel import build_model, load_weights
+from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyTrainer
@@ -100,9 +99,7 @@ class TrainingRole:
             version = checkpoint.load(resumed, self.trainer)["version"]
         else:
             version = 0
-            if self.ctx.recipe.model.init != SCRATCH:
-                _, tensors = read_model(resolve(self.ctx.recipe.model.init))
-                load_weights(self.trainer.model, self.arch, tensors)
+            load_init(self.trainer.model, self.arch, self.ctx.recipe.model.init)
         if self.lead:
             for stale in (self.ctx.run_dir / "weights").glob("v[0-9]*"):
                 if stale.name[1:].isdigit() and int(stale.name[1:]) >= version:
