@@ -14,12 +14,15 @@ def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False) 
     if sampling.engine == "sglang":
         from meshy.infer.sglang_engine import SGLangEngine
 
+        # SGLang takes "cuda" plus the first GPU and a tensor-parallel width, not a "cuda:k" device.
+        gpus = {"base_gpu_id": ctx.slot.devices[0], "tp_size": len(ctx.slot.devices)} if ctx.slot.devices else {}
         return SGLangEngine(
             source,
             max_running=sampling.max_in_flight,
             max_len=sampling.context_length,
-            device="cpu" if ctx.slot.device == "cpu" else "cuda",
+            device="cuda" if ctx.slot.devices else "cpu",
             colocate=colocate,
+            **gpus,
         )
     return TorchEngine(
         source, max_running=sampling.max_in_flight, max_len=sampling.context_length, device=ctx.slot.device

@@ -1,4 +1,4 @@
-"""The critic role starts as a copy of the policy's initial weights with a fresh value head."""
+"""What role processes build from a recipe: the critic's initial weights, the engine's devices."""
 
 import torch
 
@@ -28,3 +28,20 @@ def test_the_critic_loads_the_policy_init_and_its_value_head_starts_at_initial_v
     assert torch.all(model.value_head.weight == 0) and torch.all(
         model.value_head.bias == recipe.algorithm.initial_value
     )
+
+
+def test_an_sglang_engine_is_started_on_its_role_s_own_gpus(monkeypatch, tmp_path):
+    """SGLang is given the slot's first GPU and its GPU count, not the node's GPU 0 for every process."""
+    import meshy.infer.sglang_engine as sglang_engine
+    from meshy.recipes.engines import build_engine
+    from meshy.recipes.topology import Slot
+
+    started = {}
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda source, **kwargs: started.update(kwargs))
+    text = DEFAULT_RECIPE.read_text().replace("max_in_flight = 256", 'max_in_flight = 256\nengine = "sglang"')
+    (tmp_path / "recipe.toml").write_text(text)
+    recipe = load_recipe(tmp_path / "recipe.toml")
+    build_engine(RoleContext(recipe, Slot(5, "inference", 1, 2, (4, 5), None), tmp_path, client=None), "w")
+    assert started["device"] == "cuda" and started["base_gpu_id"] == 4 and started["tp_size"] == 2
+    build_engine(RoleContext(recipe, Slot(5, "inference", 1, 2, (), None), tmp_path, client=None), "w")
+    assert started["device"] == "cpu"
