@@ -8,6 +8,7 @@ to the pool. Ordered control streams and GPU token rings ride on the same server
 from meshy.dataplane.audit import SequenceAudit
 from meshy.dataplane.client import Batch, DataPlaneClient, StreamMessage, StreamReader
 from meshy.dataplane.config import DataPlaneConfig
+from meshy.dataplane.devices import HOST, free_cached
 from meshy.dataplane.endpoints import Endpoints
 from meshy.dataplane.errors import (
     AccessDenied,
@@ -26,6 +27,7 @@ from meshy.dataplane.tables import AckResult
 
 __all__ = [
     "FALLBACK",
+    "HOST",
     "ON_DEMAND",
     "AccessDenied",
     "AckResult",
@@ -48,6 +50,7 @@ __all__ = [
     "StreamMessage",
     "StreamReader",
     "TableSpec",
+    "free_cached",
     "new_secret",
     "secret_from_env",
 ]

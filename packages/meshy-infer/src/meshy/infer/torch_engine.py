@@ -4,16 +4,21 @@ One worker thread owns the model and the KV cache. The coroutines check their in
 the worker and await its future, so the event loop stays free while tokens are computed (and a loop
 that also blocks elsewhere does not stall generation). Each scheduler iteration applies the commands
 that arrived, in order (weights, pause, release, abort, new requests, scores); admits waiting requests
-into free cache slots, one prefill each; then runs one batched decode step for every running request.
+into the lowest free cache slots, their prompts prefilled together; then runs one decode step for every
+running request, sampled together on the device (meshy.infer.sampling), with one wait for the device
+per step. On CUDA a decode step is a replayed CUDA graph, one per batch/span bucket.
 Nothing waits forever: `close()` ends pending generations as aborted, and if the worker fails, every
 pending call raises EngineClosed naming the cause.
 """
 
 import asyncio
 import contextlib
+import heapq
 import json
+import logging
 import os
 import queue
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -26,8 +31,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from meshy.dataplane import SchemaError
+from meshy.dataplane import HOST, SchemaError, free_cached
 from meshy.dataplane.weights import DTYPES, Published, read_published
+from meshy.infer import sampling
 from meshy.infer.engine import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -45,6 +51,8 @@ from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_mod
 # not), or a config.json dict with HF-named tensors.
 ModelSource = Published | str | os.PathLike | tuple[Mapping, Mapping[str, torch.Tensor]]
 PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most (bounds its activations)
+SPAN_STEP = 64  # decode attention spans are multiples of it (decode_shape)
+log = logging.getLogger(__name__)
 
 
 def read_model(source: ModelSource) -> tuple[dict, Mapping[str, torch.Tensor]]:
@@ -86,7 +94,7 @@ class _Request:
     params: SamplingParams
     stop_ids: frozenset[int]
     done: Future
-    generator: torch.Generator | None = None  # made on the worker's device when admitted
+    seed: int = 0  # fixed when admitted: the params' seed, or a random one
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -101,49 +109,6 @@ class _Call:
     fn: Callable[[], object]
     done: Future
     needs_device: bool = False  # held while released, run after onload
-
-
-def _draw(scaled: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token from softmax(scaled logits) truncated to the top k, then to the top-p nucleus."""
-    if 0 < top_k < scaled.numel():
-        kept = scaled.topk(top_k)
-        scaled = torch.full_like(scaled, -torch.inf).scatter_(0, kept.indices, kept.values)
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        beyond = sorted_probs.cumsum(0) - sorted_probs >= top_p  # the tokens before them already hold p
-        probs[order[beyond]] = 0
-    return torch.multinomial(probs, 1, generator=generator)[0]
-
-
-def _truncated(params: SamplingParams, vocab: int) -> bool:
-    return 0 < params.top_k < vocab or params.top_p < 1
-
-
-def sample(logits: torch.Tensor, requests: Sequence[_Request]) -> tuple[list[int], list[float]]:
-    """The next token of each row of float32 logits [batch, vocab], and its logprob: the log-softmax of
-    logits / temperature (1 when greedy) at that token, before top-k/top-p truncation.
-
-    Rows sampled from the full distribution (the RL case) are drawn together by inverting their CDFs,
-    each at one uniform from its own request's generator: a request's tokens depend only on its seed,
-    not on what else is in the batch, and a step costs one draw per row instead of one per vocabulary
-    entry (torch.multinomial draws an exponential for every token). Rows with top-k/top-p go one by one."""
-    temperatures = [r.params.temperature or 1.0 for r in requests]
-    scaled = logits / torch.tensor(temperatures, device=logits.device)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    chosen = logits.argmax(dim=-1)
-    vocab = logits.shape[-1]
-    full = [i for i, r in enumerate(requests) if r.params.temperature > 0 and not _truncated(r.params, vocab)]
-    if full:
-        rows = torch.tensor(full, device=logits.device)
-        cdf = logprobs[rows].exp().cumsum(dim=-1)
-        uniforms = torch.cat([torch.rand(1, generator=requests[i].generator, device=logits.device) for i in full])
-        drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
-        chosen[rows] = drawn.clamp(max=vocab - 1)
-    for i, request in enumerate(requests):
-        if request.params.temperature > 0 and _truncated(request.params, vocab):
-            chosen[i] = _draw(scaled[i], request.params.top_k, request.params.top_p, request.generator)
-    return chosen.tolist(), logprobs.gather(1, chosen[:, None])[:, 0].tolist()
 
 
 def _prefill_chunks(requests: list[_Request], length: Callable[[_Request], int]) -> list[list[_Request]]:
@@ -162,8 +127,28 @@ def _prefill_chunks(requests: list[_Request], length: Callable[[_Request], int])
     return chunks
 
 
+def decode_shape(slots: Sequence[int], positions: Sequence[int], max_running: int, max_len: int) -> tuple[int, int]:
+    """(batch, span) of a decode step over the running slots at their positions: the slots 0..batch-1 with
+    batch a power of two, attending over span cache positions (a multiple of 64, at most a quarter more
+    than needed). Few distinct shapes, so each can be a CUDA graph."""
+    batch = min(max_running, 1 << max(slots).bit_length())
+    needed = max(positions) + 1
+    step = max(SPAN_STEP, 1 << max(0, (needed - 1).bit_length() - 2))
+    return batch, min(max_len, -(-needed // step) * step)
+
+
+def _int64_seed(seed: int) -> int:
+    """A seed as the int64 with the same low 64 bits (the sampler hashes 64 bits of it)."""
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 class _Scheduler:
-    """The worker thread's state: model, cache, requests. Only the worker thread touches it."""
+    """The worker thread's state: model, cache, requests. Only the worker thread touches it.
+
+    A step's inputs go to the device in one copy and its sampled tokens come back in one read: the only
+    wait on the device per step. On CUDA, each decode shape (decode_shape) is captured once as a CUDA
+    graph and replayed; a release drops the graphs with the cache they point into."""
 
     def __init__(
         self,
@@ -178,12 +163,23 @@ class _Scheduler:
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.max_running, self.max_len = max_running, max_len
         self.version = version
-        self.cache: KVCache | None = KVCache(config, max_running, max_len, device, dtype)
+        self.graphs = device.type == "cuda" and not config.moe  # routing reads expert ids on the host
+        self.graph_failure: str | None = None  # why decode runs eagerly on CUDA, if capture failed
         self.waiting: deque[_Request] = deque()
         self.running: dict[int, _Request] = {}  # slot -> request
-        self.free_slots = list(reversed(range(max_running)))
+        self.free_slots = list(range(max_running))  # a heap: the lowest slot first keeps decode batches small
         self.held: list[_Call] = []
         self.paused = self.released = self.closed = False
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """What a release gives back: the KV cache, the step inputs on the device, the decode graphs."""
+        self.cache: KVCache | None = KVCache(self.config, self.max_running, self.max_len, self.device, self.dtype)
+        # Rows: tokens and positions of slots 0..batch-1 (a decode graph's inputs), then for the rows
+        # being sampled: their slot (decode), seed and counter (the index of the token they draw).
+        self.inputs: torch.Tensor | None = torch.zeros(5, self.max_running, dtype=torch.int64, device=self.device)
+        self.captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def busy(self) -> bool:
         return not (self.paused or self.released) and bool(self.waiting or self.running)
@@ -214,7 +210,9 @@ class _Scheduler:
             if request.params.max_new_tokens == 0:
                 self._finish(request, FINISH_LENGTH)
                 continue
-            request.slot = self.free_slots.pop()
+            request.slot = heapq.heappop(self.free_slots)
+            seed = request.params.seed
+            request.seed = _int64_seed(secrets.randbits(63) if seed is None else seed)
             self.running[request.slot] = request
             admitted.append(request)
         for chunk in _prefill_chunks(admitted, lambda r: len(r.prompt)):
@@ -223,17 +221,11 @@ class _Scheduler:
             self._decode()
 
     def _prefill(self, requests: list[_Request]) -> None:
-        for request in requests:
-            request.generator = torch.Generator(self.device)
-            if request.params.seed is None:
-                request.generator.seed()
-            else:
-                request.generator.manual_seed(request.params.seed)
         prompts = [torch.tensor(r.prompt, device=self.device) for r in requests]
         logits = self.model.prefill(prompts, self.cache, [r.slot for r in requests])
         for request in requests:
             request.cached = len(request.prompt)
-        self._emit(requests, logits)
+        self._emit(requests, logits, self._sampling_rows(requests, []))
 
     def _refill(self, requests: list[_Request]) -> None:
         """Recompute running requests' caches (dropped by `release`); each one's last token is fed next step."""
@@ -245,17 +237,80 @@ class _Scheduler:
 
     def _decode(self) -> None:
         requests = [self.running[slot] for slot in sorted(self.running)]
-        tokens = torch.tensor([r.output[-1] for r in requests], device=self.device)
-        slots = torch.tensor([r.slot for r in requests], device=self.device)
-        positions = torch.tensor([r.cached for r in requests], device=self.device)
-        logits = self.model.decode(tokens, self.cache, slots, positions)
+        slots, positions = [r.slot for r in requests], [r.cached for r in requests]
+        batch, span = decode_shape(slots, positions, self.max_running, self.max_len)
+        tokens, positions = [0] * batch, [0] * batch  # idle slots compute at position 0, unread
+        for request in requests:
+            tokens[request.slot], positions[request.slot] = request.output[-1], request.cached
+        rows = self._sampling_rows(requests, [tokens, positions])
+        hidden = self._decode_hidden(batch, span)
         for request in requests:
             request.cached += 1
-        self._emit(requests, logits)
+        self._emit(requests, self.model.logits(hidden.index_select(0, self.inputs[2, : len(requests)])), rows)
 
-    def _emit(self, requests: list[_Request], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(logits, requests)
-        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
+    def _sampling_rows(self, requests: list[_Request], slot_rows: list[list[int]]) -> sampling.Rows:
+        """Copy a step's inputs to the device, in one transfer that does not wait for it: `slot_rows`
+        (tokens and positions by slot, for decode), then each request's slot, seed and counter; and the
+        requests' sampling settings."""
+        n = len(requests)
+        width = max(n, len(slot_rows[0]) if slot_rows else 0)
+        rows = [*slot_rows] if slot_rows else [[0] * width, [0] * width]
+        pad = [0] * (width - n)
+        rows.append([r.slot for r in requests] + pad)
+        rows.append([r.seed for r in requests] + pad)
+        rows.append([len(r.output) for r in requests] + pad)
+        self.inputs[:, :width].copy_(torch.tensor(rows, dtype=torch.int64, device=HOST), non_blocking=True)
+        vocab = self.config.vocab_size
+        settings = [[r.params.temperature, r.params.top_k or vocab, r.params.top_p] for r in requests]
+        on_device = torch.tensor(settings, dtype=torch.float32, device=HOST).to(self.device, non_blocking=True)
+        return sampling.Rows(
+            temperature=on_device[:, 0],
+            top_k=on_device[:, 1].long(),
+            top_p=on_device[:, 2],
+            seed=self.inputs[3, :n],
+            counter=self.inputs[4, :n],
+            truncated=any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in requests),
+        )
+
+    def _decode_hidden(self, batch: int, span: int) -> torch.Tensor:
+        """The decode step's hidden states [batch, hidden]: a replayed CUDA graph on CUDA (captured the
+        first time this shape runs), an eager forward elsewhere or if capture failed."""
+        tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
+        if not self.graphs:
+            return self.model.decode(tokens, positions, self.cache, span)
+        key = (batch, span)
+        if key not in self.captured:
+            try:
+                self.captured[key] = self._capture(tokens, positions, span)
+            except RuntimeError as e:
+                self.graphs, self.graph_failure = False, f"CUDA graph capture failed, decoding eagerly: {e!r}"
+                self.captured.clear()
+                log.warning(self.graph_failure)
+                return self.model.decode(tokens, positions, self.cache, span)
+        graph, hidden = self.captured[key]
+        graph.replay()
+        return hidden
+
+    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> tuple:
+        """A CUDA graph of one decode step of this shape, reading tokens and positions where they are.
+        The warm-up on a side stream (cuBLAS and kernel selection happen outside the capture) computes
+        the step for real: it writes the same keys and values the replay then writes again."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self.model.decode(tokens, positions, self.cache, span)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.model.decode(tokens, positions, self.cache, span)
+        return graph, hidden
+
+    def _emit(self, requests: list[_Request], logits: torch.Tensor, rows: sampling.Rows) -> None:
+        chosen, logprobs = sampling.sample(logits, rows)
+        tokens, values = torch.stack([chosen.double(), logprobs.double()]).tolist()  # the step's one wait
+        for request, token, logprob in zip(requests, tokens, values, strict=True):
+            token = int(token)
             request.output.append(token)
             request.logprobs.append(logprob)
             request.versions.append(self.version)
@@ -267,7 +322,7 @@ class _Scheduler:
     def _finish(self, request: _Request, reason: str) -> None:
         if self.running.get(request.slot) is request:
             del self.running[request.slot]
-            self.free_slots.append(request.slot)
+            heapq.heappush(self.free_slots, request.slot)
         result = Generation(
             request.request_id, request.output, request.logprobs, request.versions, reason, len(request.prompt)
         )
@@ -284,7 +339,7 @@ class _Scheduler:
         self.paused = paused
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.model.load_weights(tensors)
+        self.model.load_weights(tensors)  # in place: the decode graphs keep reading the same parameters
         self.version = version
 
     def score(self, input_ids: list[int], top_k: int, start: int) -> Scores:
@@ -297,19 +352,21 @@ class _Scheduler:
         return Scores(chosen, top.indices.tolist(), top.values.tolist())
 
     def release(self) -> None:
+        """Give the device's memory back: cache, inputs and graphs dropped, weights to host memory."""
         if self.released:
             return
-        self.released, self.cache = True, None
+        self.released = True
+        self.cache = self.inputs = self.pool = None
+        self.captured.clear()
         if self.device.type != "cpu":
-            self.model.to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            self.model.to(HOST)
+        free_cached(self.device)
 
     def onload(self) -> None:
         if not self.released:
             return
         self.model.to(self.device)
-        self.cache = KVCache(self.config, self.max_running, self.max_len, self.device, self.dtype)
+        self._allocate()
         running = list(self.running.values())
         for chunk in _prefill_chunks(running, lambda r: len(r.prompt) + len(r.output) - 1):
             self._refill(chunk)
@@ -378,6 +435,12 @@ class TorchEngine(Engine):
     @property
     def weight_version(self) -> int:
         return self._scheduler.version
+
+    @property
+    def cuda_graphs(self) -> dict:
+        """How decode runs: the (batch, span) shapes captured as CUDA graphs so far, and why decoding is
+        eager if capture failed (None otherwise)."""
+        return {"shapes": sorted(self._scheduler.captured), "failure": self._scheduler.graph_failure}
 
     # ---- the public coroutines ----
 

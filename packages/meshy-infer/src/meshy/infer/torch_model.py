@@ -136,25 +136,29 @@ class _Prefill(_Causal):
 
 
 class _Decode:
-    """One new token per slot at that slot's position; it attends to the slot's cache up to itself.
-    Attention spans the longest active length only."""
+    """One new token for each of the slots 0..B-1 at its position [B]; each attends to its slot's cache up
+    to itself, over the first `span` positions. Shapes depend only on (B, span), so a step can be
+    replayed as a CUDA graph; rows of idle slots compute at position 0 and are ignored by the caller
+    (a slot is always prefilled from position 0 before it is decoded for real). With one query per
+    row, the query heads that share a key/value head are its queries: grouped attention reads each
+    key and value once, without expanding them per head."""
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, span: int):
-        self.cache, self.slots, self.positions, self.span = cache, slots, positions, span
+    def __init__(self, cache: KVCache, positions: torch.Tensor, span: int):
+        self.cache, self.positions, self.span = cache, positions, span
+        self.rows = torch.arange(len(positions), device=positions.device)
         visible = torch.arange(span, device=positions.device)[None, :] <= positions[:, None]
-        self.mask = visible[:, None, None, :]  # [batch, heads, query, key]
-        # Slots in a consecutive run (the usual case, a full batch in slot order) are read as a view of
-        # the cache; any other set is gathered, which copies every layer's keys and values each step.
-        first = int(slots[0])
-        consecutive = torch.equal(slots.cpu(), torch.arange(first, first + len(slots)))
-        self.read = slice(first, first + len(slots)) if consecutive else slots
+        self.mask = visible[:, None, None, :]  # [batch, kv heads, queries, keys]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.keys[layer], self.cache.values[layer]
-        keys[self.slots, :, self.positions] = k[:, :, 0]
-        values[self.slots, :, self.positions] = v[:, :, 0]
-        k_span, v_span = keys[self.read, :, : self.span], values[self.read, :, : self.span]
-        return F.scaled_dot_product_attention(q, k_span, v_span, attn_mask=self.mask, enable_gqa=True)
+        keys[self.rows, :, self.positions] = k[:, :, 0]
+        values[self.rows, :, self.positions] = v[:, :, 0]
+        batch, heads, _, head_dim = q.shape
+        kv_heads = keys.shape[1]
+        grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+        k_span, v_span = keys[:batch, :, : self.span], values[:batch, :, : self.span]
+        out = F.scaled_dot_product_attention(grouped, k_span, v_span, attn_mask=self.mask)
+        return out.reshape(batch, heads, 1, head_dim)
 
 
 _Step = _Causal | _Prefill | _Decode
@@ -301,13 +305,11 @@ class DecoderModel(nn.Module):
         last = torch.tensor([len(s) - 1 for s in sequences], device=device)
         return self.logits(hidden[torch.arange(len(sequences), device=device), last])
 
-    def decode(
-        self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """One token per slot [batch] at its position [batch]: float32 logits [batch, vocab]. Every slot
-        must hold its first `position` tokens already."""
-        step = _Decode(cache, slots, positions, span=int(positions.max()) + 1)
-        return self.logits(self.hidden(tokens[:, None], positions[:, None], step)[:, 0])
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int) -> torch.Tensor:
+        """One token [B] for each of the slots 0..B-1 at its position [B] (every slot in use must hold its
+        first `position` tokens already), attending over the first `span` cache positions: the final-norm
+        hidden states [B, hidden] (`logits` turns the rows wanted into logits)."""
+        return self.hidden(tokens[:, None], positions[:, None], _Decode(cache, positions, span))[:, 0]
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in (converted to the model's dtype and device). Every name and shape is

@@ -1,0 +1,24 @@
+"""Where tensors live. Rows on the data plane are host tensors (HOST); a role's model, batches and
+caches live on its slot's device and are created there, never on torch's default device.
+
+A colocated role hands its GPU token on only after giving the device's memory back (`free_cached`):
+moving tensors off a GPU returns their blocks to torch's caching allocator, which keeps them reserved
+for this process until they are emptied, so the next holder could not use them.
+"""
+
+import gc
+
+import torch
+
+HOST = torch.device("cpu")
+
+
+def free_cached(device: torch.device) -> None:
+    """Return the cached, unused memory of `device` to the driver (a no-op off CUDA): the caching
+    allocator's free blocks and the cuBLAS workspaces (32 MiB per handle on Hopper)."""
+    if device.type != "cuda":
+        return
+    gc.collect()  # tensors kept alive only by reference cycles (autograd graphs of failed steps)
+    torch.cuda.synchronize(device)
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
