@@ -40,7 +40,7 @@ MODELS = {"qwen3-tiny": get_model("qwen3-tiny"), "llama-135m": get_model("smollm
 
 
 def publish(arch: DecoderArch, root: Path) -> Path:
-    model, _ = build_model(arch, ParallelConfig(), seed=0)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
     directory = Path(DirectoryPublisher(root, arch, dtype="float32").publish(model, 0).location)
     config = json.loads((directory / "config.json").read_text())
     config["eos_token_id"] = None  # every request runs to its own budget in both engines

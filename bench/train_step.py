@@ -86,8 +86,8 @@ def produce(client: DataPlaneClient, step: int, vocab: int) -> None:
 def step_times(steps: int) -> dict[str, list[float]]:
     """Both paths step by step, interleaved, so drift on a shared machine hits both alike."""
     arch = get_model("qwen3-tiny")
-    plain = PlainLoop(build_model(arch, ParallelConfig(), seed=0)[0])
-    model = build_model(arch, ParallelConfig(), seed=0)[0]
+    plain = PlainLoop(build_model(arch, ParallelConfig(), device="cpu", seed=0)[0])
+    model = build_model(arch, ParallelConfig(), device="cpu", seed=0)[0]
     times: dict[str, list[float]] = {"plain torch loop": [], "meshy training service": []}
     secret = new_secret()
     with DataPlaneServer.start(secret) as server, DataPlaneClient(server.endpoints, secret) as client:
@@ -110,7 +110,7 @@ def step_times(steps: int) -> dict[str, list[float]]:
 def publish_times(model_name: str, dtype: str, reps: int) -> tuple[list[float], list[float]]:
     """Raw save_file of the final tensors (already in `dtype`) against publishing from the model."""
     arch = get_model(model_name)
-    model, _ = build_model(arch, ParallelConfig(), seed=0)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
     tensors = dict(hf_tensors(model, arch, DTYPES[dtype]))
     raw, ours = [], []
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:

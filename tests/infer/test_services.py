@@ -98,7 +98,7 @@ def test_a_new_version_mid_generation_is_loaded_and_every_token_keeps_its_versio
         from meshy.train.models import get_model
         from meshy.train.parallel import ParallelConfig, build_model, load_weights
 
-        model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig())
+        model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig(), device="cpu")
         load_weights(model, ARCH, sharp_weights(1))
         published = DirectoryPublisher(tmp_path, ARCH, dtype="float32").publish(model, 2)
         client.append(stream, published.to_message())
@@ -128,7 +128,7 @@ def test_prompts_written_after_a_version_was_announced_are_generated_by_that_ver
     from meshy.train.parallel import ParallelConfig, build_model
 
     name, stream = table(client, unique), unique("weights")
-    model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig())
+    model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig(), device="cpu")
     publisher = DirectoryPublisher(tmp_path, ARCH, dtype="float32", keep=16)
     config = InferenceServiceConfig(table=name, max_new_tokens=2, context_length=64, weights_stream=stream, seed=1)
     versions, per_version = range(2, 12), 4

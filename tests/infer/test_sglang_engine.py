@@ -45,7 +45,7 @@ NO_SEEDS = (
 def sharp_model(seed: int) -> torch.nn.Module:
     """qwen3-tiny with every matrix scaled 8x: the weights of test_torch_engine.sharp_weights, as a model
     a publisher can write (greedy output that is not degenerate)."""
-    model, _ = build_model(ARCH, ParallelConfig(), seed=seed)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=seed)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.ndim == 2:

@@ -159,7 +159,7 @@ def sharp_teacher(root: Path) -> Path:
     from meshy.train.publish import DirectoryPublisher
 
     arch = load_recipe(DEFAULT_RECIPE).model.arch()
-    model, _ = build_model(arch, ParallelConfig(), seed=123)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=123)
     with torch.no_grad():
         model.norm.weight.mul_(20.0)
     return Path(DirectoryPublisher(root, arch, dtype="float32").publish(model, 0).location)

@@ -93,6 +93,49 @@ def test_colocated_roles_share_devices_and_the_rest_get_their_own(tmp_path):
     assert all(s.device == "cpu" for s in cpu.values())
 
 
+def sharing(text: str, training: str = "0.5", inference: str = "0.4") -> str:
+    text = text.replace(
+        "[roles.training]\nprocesses = 1",
+        f"[roles.training]\nprocesses = 1\ndevices_per_process = 1\nmemory_fraction = {training}",
+    )
+    return text.replace(
+        "[roles.inference]\nprocesses = 1",
+        f"[roles.inference]\nprocesses = 1\ndevices_per_process = 1\nmemory_fraction = {inference}",
+    )
+
+
+def test_roles_sharing_devices_at_once_get_the_same_gpus_and_no_ring(tmp_path):
+    recipe = recipe_from(tmp_path, 'share_devices = [["training", "inference"]]\n' + sharing(DEFAULT))
+    slots = assign(recipe, 3, gpus_per_node=1)
+    assert [(s.role, s.devices, s.ring) for s in slots.values()] == [
+        ("training", (0,), None),
+        ("inference", (0,), None),
+        ("rollout", (), None),
+    ]
+    assert recipe.roles.training.memory_fraction == 0.5
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (
+            sharing(DEFAULT, inference="0.6"),
+            "need memory_fraction set, adding up to at most 1; got {'training': 0.5, 'inference': 0.6}",
+        ),
+        (sharing(DEFAULT).replace("memory_fraction = 0.4", ""), "got {'training': 0.5, 'inference': None}"),
+        (sharing(DEFAULT, training="1.5"), "memory_fraction: expected a fraction in (0, 1] of each GPU, got 1.5"),
+        ('colocate = [["training", "inference"]]\n' + sharing(DEFAULT), "role 'training' already shares devices"),
+        ('share_devices = [["training", "critic"]]\n' + DEFAULT, "share_devices: unknown role 'critic'"),
+    ],
+)
+def test_a_device_sharing_group_that_cannot_work_is_refused(tmp_path, text, needle):
+    if "share_devices" not in text:
+        text = 'share_devices = [["training", "inference"]]\n' + text
+    with pytest.raises(SchemaError) as err:
+        recipe_from(tmp_path, text)
+    assert needle in str(err.value)
+
+
 def test_sections_reuse_the_components_configs():
     recipe = load_recipe()
     assert dataclasses.asdict(recipe.algorithm.optim)["lr"] == 5e-4

@@ -1,5 +1,7 @@
 """What role processes build from a recipe: the critic's initial weights, the engine's devices."""
 
+import asyncio
+
 import torch
 
 from meshy.recipes.context import RoleContext
@@ -12,7 +14,7 @@ from meshy.train.publish import DirectoryPublisher, hf_tensors
 
 def test_the_critic_loads_the_policy_init_and_its_value_head_starts_at_initial_value(tmp_path):
     arch = load_recipe().model.arch()
-    policy, _ = build_model(arch, ParallelConfig(), seed=7)
+    policy, _ = build_model(arch, ParallelConfig(), device="cpu", seed=7)
     init = DirectoryPublisher(tmp_path / "init", arch, dtype="float32").publish(policy, 0).location
     text = DEFAULT_RECIPE.read_text().replace('kind = "grpo"', 'kind = "ppo"')
     text = text.replace('name = "qwen3-tiny"', f'name = "qwen3-tiny"\ninit = "{init}"')
@@ -45,3 +47,58 @@ def test_an_sglang_engine_is_started_on_its_role_s_own_gpus(monkeypatch, tmp_pat
     assert started["device"] == "cuda" and started["base_gpu_id"] == 4 and started["tp_size"] == 2
     build_engine(RoleContext(recipe, Slot(5, "inference", 1, 2, (), None), tmp_path, client=None), "w")
     assert started["device"] == "cpu"
+
+
+def test_a_role_on_a_cpu_slot_builds_on_the_cpu_even_where_cuda_exists(monkeypatch, tmp_path):
+    """The slot decides where a role's tensors live: the default recipe's roles have no GPUs, so on a
+    GPU host they still train and generate on the CPU (and publish what the CPU computes)."""
+    from meshy.recipes.engines import build_engine
+    from meshy.recipes.roles.training import TrainingRole
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    recipe = load_recipe()
+    slots = assign(recipe, recipe.world_size, gpus_per_node=8)
+    assert {slot.device for slot in slots.values()} == {"cpu"}
+    training = TrainingRole(RoleContext(recipe, slots[0], tmp_path, client=None))
+    assert {p.device.type for p in training.trainer.model.parameters()} == {"cpu"}
+    assert training.publisher.dtype == "float32"
+    engine = build_engine(RoleContext(recipe, slots[1], tmp_path, client=None), training_weights(training, tmp_path))
+    try:
+        assert {p.device.type for p in engine._scheduler.model.parameters()} == {"cpu"}
+    finally:
+        asyncio.run(engine.close())
+
+
+def training_weights(training, tmp_path):
+    return DirectoryPublisher(tmp_path / "weights", training.arch, dtype="float32").publish(training.trainer.model, 0)
+
+
+def test_the_recipe_s_model_dtype_reaches_trainer_publisher_and_engines(monkeypatch, tmp_path):
+    import meshy.infer.sglang_engine as sglang_engine
+    from meshy.recipes.engines import build_engine
+    from meshy.recipes.roles.training import TrainingRole
+
+    text = DEFAULT_RECIPE.read_text().replace('name = "qwen3-tiny"', 'name = "qwen3-tiny"\ndtype = "bfloat16"')
+    (tmp_path / "recipe.toml").write_text(text)
+    recipe = load_recipe(tmp_path / "recipe.toml")
+    slots = assign(recipe, recipe.world_size)
+    training = TrainingRole(RoleContext(recipe, slots[0], tmp_path, client=None))
+    assert training.publisher.dtype == "bfloat16"
+    tokens = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(0))
+    assert training.trainer.model(tokens).dtype == torch.bfloat16
+    engine = build_engine(RoleContext(recipe, slots[1], tmp_path, client=None), training_weights(training, tmp_path))
+    try:
+        assert {p.dtype for p in engine._scheduler.model.parameters()} == {torch.bfloat16}
+    finally:
+        asyncio.run(engine.close())
+    started = {}
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda source, **kwargs: started.update(kwargs))
+    sglang = load_recipe_text(tmp_path, text.replace("max_in_flight = 256", 'max_in_flight = 256\nengine = "sglang"'))
+    build_engine(RoleContext(sglang, slots[1], tmp_path, client=None), "w")
+    assert started["dtype"] == "bfloat16"
+
+
+def load_recipe_text(tmp_path, text: str):
+    (tmp_path / "other.toml").write_text(text)
+    return load_recipe(tmp_path / "other.toml")

@@ -59,7 +59,7 @@ def tensors(converted) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="session")
 def trainer_model(tensors) -> torch.nn.Module:
-    model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     load_weights(model, ARCH, tensors)
     return model.eval()
 

@@ -14,10 +14,10 @@ from meshy.train.parallel import ParallelConfig, build_model, init_process_group
 
 def main() -> None:
     model_name, inputs, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    init_process_group()
+    init_process_group("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = get_model(model_name)
-    model, _ = build_model(arch, ParallelConfig())
+    model, _ = build_model(arch, ParallelConfig(), device="cpu")
     data = torch.load(inputs)
     load_weights(model, arch, data["weights"])
     tokens, mask = data["tokens"].chunk(world)[rank], data["mask"].chunk(world)[rank]

@@ -54,10 +54,10 @@ def refuse_corrupt_copy(root: Path, trainer: PolicyTrainer, rank: int) -> str:
 
 def main() -> None:
     mode, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    init_process_group()
+    init_process_group("cpu")
     rank = dist.get_rank() if dist.is_initialized() else 0
     arch = get_model("qwen3-tiny")
-    model, _ = build_model(arch, ParallelConfig(), seed=0 if mode == "train" else 99)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0 if mode == "train" else 99)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-3, warmup_steps=3), LossConfig())
     losses = {}
     if mode == "train":

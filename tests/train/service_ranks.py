@@ -21,13 +21,13 @@ from meshy.train.trainer import LossConfig, OptimConfig, PolicyTrainer
 def main() -> None:
     out, table, stream = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     late_rank_0 = sys.argv[4:] == ["late-rank-0"]
-    init_process_group()
+    init_process_group("cpu")
     rank = dist.get_rank()
     arch = get_model("qwen3-tiny")
     client = DataPlaneClient(
         Endpoints.from_json((out / "endpoints.json").read_text()), secret_from_env(), name=f"rank{rank}"
     )
-    model, _ = build_model(arch, ParallelConfig())
+    model, _ = build_model(arch, ParallelConfig(), device="cpu")
     service = TrainingService(
         client,
         PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig()),

@@ -48,7 +48,7 @@ def test_an_incomplete_checkpoint_is_refused(tmp_path):
 
 
 def trainer(seed: int) -> PolicyTrainer:
-    model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig(), seed=seed)
+    model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig(), device="cpu", seed=seed)
     return PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig())
 
 

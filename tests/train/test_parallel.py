@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshy.dataplane import SchemaError
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, load_weights
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("model_name", ["qwen3-tiny", "minicpm5-tiny"])
 def test_two_rank_fsdp_gradients_equal_single_process_gradients(model_name, tmp_path):
     arch = get_model(model_name)
-    reference, _ = build_model(arch, ParallelConfig(), seed=3)
+    reference, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
     torch.manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (4, 9))
     mask = (torch.rand(4, 8) < 0.7).float()
@@ -41,24 +42,33 @@ def test_two_rank_fsdp_gradients_equal_single_process_gradients(model_name, tmp_
 
 def test_weights_load_into_a_model_and_reproduce_it():
     arch = get_model("qwen3-tiny")
-    source, _ = build_model(arch, ParallelConfig(), seed=1)
-    target, _ = build_model(arch, ParallelConfig(), seed=2)
+    source, _ = build_model(arch, ParallelConfig(), device="cpu", seed=1)
+    target, _ = build_model(arch, ParallelConfig(), device="cpu", seed=2)
     tokens = torch.randint(0, arch.vocab_size, (2, 7))
     assert not torch.equal(forward_logits(source, tokens), forward_logits(target, tokens))
     load_weights(target, arch, dict(hf_tensors(source, arch, torch.float32)))
     assert torch.equal(forward_logits(source, tokens), forward_logits(target, tokens))
 
 
-def test_a_pinned_gpu_overrides_local_rank_and_cpu_stays_cpu(monkeypatch):
-    """A launcher pins each role process to its topology's GPU (a critic at rank 8 may own cuda:6);
-    without a pin, torchrun's LOCAL_RANK names the GPU; without CUDA, everything is on the CPU."""
-    from meshy.train import cpu, parallel
+def test_one_process_computes_in_the_model_dtype_with_the_recipe_s_checkpointing():
+    """A single training process applies the same dtype and activation checkpointing a sharded one
+    does (it is not sharded, so the dtype comes from autocast): float32 weights, bfloat16 compute."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    monkeypatch.setenv("LOCAL_RANK", "8")
-    monkeypatch.setattr(parallel, "_pinned", None)
-    monkeypatch.setattr(cpu, "on_cpu", lambda: False)
-    assert parallel.local_device() == torch.device("cuda", 8)
-    parallel.use_device("cuda:6")
-    assert parallel.local_device() == torch.device("cuda", 6)
-    monkeypatch.setattr(cpu, "on_cpu", lambda: True)
-    assert parallel.local_device() == torch.device("cpu")
+    arch = get_model("qwen3-tiny")
+    full, _ = build_model(arch, ParallelConfig(), device="cpu", seed=4)
+    half, _ = build_model(arch, ParallelConfig(activation_checkpoint="full"), device="cpu", dtype="bfloat16", seed=4)
+    assert all(p.dtype == torch.float32 for p in half.parameters()), "the optimizer keeps float32 weights"
+    assert all(isinstance(block, CheckpointWrapper) for block in half.layers.values())
+    assert not any(isinstance(block, CheckpointWrapper) for block in full.layers.values())
+    tokens = torch.randint(0, arch.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert full(tokens).dtype == torch.float32 and half(tokens).dtype == torch.bfloat16
+    difference = (forward_logits(half, tokens) - forward_logits(full, tokens)).abs().max().item()
+    assert 0 < difference < 0.05, "the same weights, computed in bfloat16"
+    token_logprobs(forward_logits(half, tokens), tokens).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in half.parameters())
+
+
+def test_an_unknown_dtype_is_refused_naming_the_field():
+    with pytest.raises(SchemaError, match="build_model dtype: expected one of \\['float32', 'bfloat16'\\]"):
+        build_model(get_model("qwen3-tiny"), ParallelConfig(), device="cpu", dtype="float16")

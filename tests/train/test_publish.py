@@ -18,7 +18,7 @@ def test_published_weights_load_in_transformers_with_the_trainers_logits(model_n
     from transformers import AutoModelForCausalLM
 
     arch = get_model(model_name)
-    model, _ = build_model(arch, ParallelConfig(), seed=5)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=5)
     published = DirectoryPublisher(tmp_path, arch, dtype="float32").publish(model, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -33,7 +33,7 @@ def test_published_weights_load_in_transformers_with_the_trainers_logits(model_n
 
 def test_sharded_versions_are_atomic_announced_pruned_and_verified(client, unique, tmp_path):
     arch = get_model("minicpm5-tiny")
-    model, _ = build_model(arch, ParallelConfig(), seed=1)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=1)
     stream = unique("weights")
     reader = client.reader(stream, "engine", start=1)
     publisher = DirectoryPublisher(
@@ -49,7 +49,7 @@ def test_sharded_versions_are_atomic_announced_pruned_and_verified(client, uniqu
     assert len(set(index["weight_map"].values())) > 1
     config, tensors = read_published(latest)
     assert config["architectures"] == ["LlamaForCausalLM"]
-    target, _ = build_model(arch, ParallelConfig(), seed=2)
+    target, _ = build_model(arch, ParallelConfig(), device="cpu", seed=2)
     load_weights(target, arch, tensors)
     tokens = torch.randint(0, arch.vocab_size, (2, 9))
     assert torch.equal(forward_logits(target, tokens), forward_logits(model, tokens))
@@ -68,7 +68,7 @@ def test_sharded_versions_are_atomic_announced_pruned_and_verified(client, uniqu
 @pytest.mark.parametrize("damage", ["torn", "missing"])
 def test_a_published_config_json_outside_the_checksum_is_still_checked(tmp_path, damage):
     arch = get_model("qwen3-tiny")
-    model, _ = build_model(arch, ParallelConfig(), seed=1)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=1)
     published = DirectoryPublisher(tmp_path, arch, dtype="float32").publish(model, 4)
     config = tmp_path / "v000004" / "config.json"
     if damage == "torn":
@@ -81,7 +81,7 @@ def test_a_published_config_json_outside_the_checksum_is_still_checked(tmp_path,
 
 def test_shared_memory_versions_round_trip_and_are_unlinked(unique):
     arch = get_model("qwen3-tiny")
-    model, _ = build_model(arch, ParallelConfig(), seed=4)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=4)
     publisher = SharedMemoryPublisher(unique("meshy-test"), arch, dtype="float32", bucket_bytes=50_000, keep=1)
     first = publisher.publish(model, 1)
     second = publisher.publish(model, 2)
@@ -89,7 +89,7 @@ def test_shared_memory_versions_round_trip_and_are_unlinked(unique):
     with pytest.raises(CorruptWeights, match="bucket gone"):
         read_published(first)  # keep=1: version 1 was unlinked when version 2 arrived
     _, tensors = read_published(second)
-    target, _ = build_model(arch, ParallelConfig(), seed=9)
+    target, _ = build_model(arch, ParallelConfig(), device="cpu", seed=9)
     load_weights(target, arch, tensors)
     tokens = torch.randint(0, arch.vocab_size, (2, 6))
     assert torch.equal(forward_logits(target, tokens), forward_logits(model, tokens))

@@ -35,7 +35,7 @@ def test_training_service_trains_whole_groups_acks_everything_and_publishes(clie
         cols.TOKEN_VERSIONS: [torch.zeros(3, dtype=torch.int64)] * 2,
         cols.ADVANTAGE: [torch.ones(3), torch.tensor([1.0, float("nan"), 1.0])],  # row 13: not finite
     })  # fmt: skip
-    model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     stream = unique("weights")
     reader = client.reader(stream, "engine", start=1)
@@ -72,7 +72,7 @@ def test_training_service_trains_whole_groups_acks_everything_and_publishes(clie
 def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, unique, tmp_path):
     table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
     put_groups(client, table, range(4), 2, ARCH.vocab_size)
-    model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config = TrainServiceConfig(table=table, groups_per_rank=2, critic_warmup_versions=1, batch_timeout_s=5)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
@@ -85,7 +85,7 @@ def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, uniq
 
 
 def test_a_non_finite_loss_is_skipped_and_counted():
-    model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = torch.randint(0, ARCH.vocab_size, (2, 6))
@@ -145,7 +145,7 @@ def test_a_rank_that_starts_late_still_gets_its_rows_of_each_version(client, uni
 def test_critic_starts_at_the_mean_reward_and_learns_the_returns(client, unique):
     table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2)).name
     rows = put_groups(client, table, range(3), 2, ARCH.vocab_size)
-    backbone, _ = build_model(ARCH, ParallelConfig(), seed=0)
+    backbone, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     critic = ValueModel(backbone, ARCH.hidden_size, initial_value=0.52)
     service = CriticService(
         client,

@@ -14,6 +14,7 @@ import torch
 
 from meshy.dataplane.client import DataPlaneClient
 from meshy.dataplane.config import DataPlaneConfig
+from meshy.dataplane.devices import HOST
 from meshy.dataplane.schema import Column, TableSpec
 from meshy.dataplane.server import DataPlaneServer, new_secret
 
@@ -48,10 +49,10 @@ def inference(client: DataPlaneClient, stop: threading.Event) -> None:
         if batch is None:
             continue
         responses = [
-            torch.cat([p.flip(0), torch.randint(0, 100, (int(torch.randint(0, 4, ())),))])
+            torch.cat([p.flip(0), torch.randint(0, 100, (int(torch.randint(0, 4, (), device=HOST)),), device=HOST)])
             for p in batch.columns["prompt_ids"]
         ]
-        rewards = torch.tensor([float(len(r) % 2 == 0) for r in responses])
+        rewards = torch.tensor([float(len(r) % 2 == 0) for r in responses], device=HOST)
         client.add_columns("rollout", batch.row_ids, {"response_ids": responses, "reward": rewards}, ack=batch)
 
 

@@ -127,5 +127,5 @@ def _select(value: Any, positions: list[int], n: int) -> Any:
     if len(positions) == n:
         return value
     if isinstance(value, torch.Tensor):
-        return value[torch.tensor(positions)]
+        return value[torch.tensor(positions, device=value.device)]
     return [value[i] for i in positions]

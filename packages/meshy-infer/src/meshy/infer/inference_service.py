@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from meshy.dataplane import Batch, DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weights import WEIGHTS_STREAM, CorruptWeights, Published
@@ -177,7 +177,7 @@ class InferenceService:
         finished, self._finished = self._finished, {}
         for batch, rows, values in finished.values():
             columns = {name: [v[name] for v in values] for name in values[0]}
-            columns[cols.TRUNCATED] = torch.tensor(columns[cols.TRUNCATED])
+            columns[cols.TRUNCATED] = torch.tensor(columns[cols.TRUNCATED], device=HOST)
             await asyncio.to_thread(self.client.add_columns, self.config.table, rows, columns, ack=batch)
             self.stats.rows += len(rows)
             self.stats.errors += sum(v[cols.FINISH_REASON] == FINISH_ERROR for v in values)
@@ -216,9 +216,9 @@ class InferenceService:
             self._requests.pop(row_id, None)
         self.stats.tokens += len(output)
         return {
-            cols.RESPONSE_IDS: torch.tensor(output, dtype=torch.int64),
-            cols.ROLLOUT_LOGPROBS: torch.tensor(logprobs, dtype=torch.float32),
-            cols.TOKEN_VERSIONS: torch.tensor(versions, dtype=torch.int64),
+            cols.RESPONSE_IDS: torch.tensor(output, dtype=torch.int64, device=HOST),
+            cols.ROLLOUT_LOGPROBS: torch.tensor(logprobs, dtype=torch.float32, device=HOST),
+            cols.TOKEN_VERSIONS: torch.tensor(versions, dtype=torch.int64, device=HOST),
             cols.FINISH_REASON: finish,
             cols.TRUNCATED: finish == FINISH_LENGTH,
             cols.ERROR: "",
@@ -226,10 +226,10 @@ class InferenceService:
 
     @staticmethod
     def _error_columns(reason: str) -> dict:
-        empty = torch.zeros(0, dtype=torch.int64)
+        empty = torch.zeros(0, dtype=torch.int64, device=HOST)
         return {
             cols.RESPONSE_IDS: empty,
-            cols.ROLLOUT_LOGPROBS: torch.zeros(0),
+            cols.ROLLOUT_LOGPROBS: torch.zeros(0, device=HOST),
             cols.TOKEN_VERSIONS: empty,
             cols.FINISH_REASON: FINISH_ERROR,
             cols.TRUNCATED: False,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshy.dataplane import DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.infer.engine import Engine
@@ -78,11 +78,12 @@ class TeacherService:
     async def _score(self, prompt: torch.Tensor, response: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.config.top_k
         if len(response) == 0 or len(prompt) == 0:
-            return torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k)
+            return torch.zeros(0, k, dtype=torch.int64, device=HOST), torch.zeros(0, k, device=HOST)
         try:
             scores = await self.engine.score(torch.cat([prompt, response]).tolist(), top_k=k, start=len(prompt) - 1)
         except SchemaError as e:
             log.warning("teacher cannot score a row (%s); it gets empty columns", e)
             self.unscored += 1
-            return torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k)
-        return torch.tensor(scores.topk_ids, dtype=torch.int64), torch.tensor(scores.topk_logprobs, dtype=torch.float32)
+            return torch.zeros(0, k, dtype=torch.int64, device=HOST), torch.zeros(0, k, device=HOST)
+        ids = torch.tensor(scores.topk_ids, dtype=torch.int64, device=HOST)
+        return ids, torch.tensor(scores.topk_logprobs, dtype=torch.float32, device=HOST)

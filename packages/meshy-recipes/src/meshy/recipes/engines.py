@@ -7,23 +7,31 @@ from meshy.recipes.context import RoleContext
 
 
 def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False) -> Engine:
-    """SGLang (imported only when named) or the pure-torch engine, on the process's device, sized by
-    `sampling.max_in_flight` and `sampling.context_length`. colocate: the engine will release and onload
-    its device memory for a GPU token ring."""
-    sampling = ctx.recipe.sampling
+    """SGLang (imported only when named) or the pure-torch engine, on the process's device in the
+    recipe's model dtype, sized by `sampling.max_in_flight` and `sampling.context_length`. colocate: the
+    engine will release and onload its device memory for a GPU token ring."""
+    sampling, dtype = ctx.recipe.sampling, ctx.recipe.model.dtype
     if sampling.engine == "sglang":
         from meshy.infer.sglang_engine import SGLangEngine
 
         # SGLang takes "cuda" plus the first GPU and a tensor-parallel width, not a "cuda:k" device.
-        gpus = {"base_gpu_id": ctx.slot.devices[0], "tp_size": len(ctx.slot.devices)} if ctx.slot.devices else {}
+        placement = {"base_gpu_id": ctx.slot.devices[0], "tp_size": len(ctx.slot.devices)} if ctx.slot.devices else {}
+        fraction = dict(ctx.recipe.roles.items())[ctx.slot.role].memory_fraction
+        if fraction is not None:  # SGLang sizes its weights and cache from its own share of the GPU
+            placement["mem_fraction_static"] = fraction
         return SGLangEngine(
             source,
             max_running=sampling.max_in_flight,
             max_len=sampling.context_length,
             device="cuda" if ctx.slot.devices else "cpu",
+            dtype=dtype,
             colocate=colocate,
-            **gpus,
+            **placement,
         )
     return TorchEngine(
-        source, max_running=sampling.max_in_flight, max_len=sampling.context_length, device=ctx.slot.device
+        source,
+        max_running=sampling.max_in_flight,
+        max_len=sampling.context_length,
+        device=ctx.slot.device,
+        dtype=dtype,
     )

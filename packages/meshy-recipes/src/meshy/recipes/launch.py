@@ -22,7 +22,7 @@ from meshy.recipes.context import RoleContext, announce_stop, rollout_table
 from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.topology import Slot, assign
-from meshy.train.parallel import init_process_group, use_device
+from meshy.train.parallel import init_process_group
 
 RUN_DIR_ENV = "MESHY_RUN_DIR"
 DONE_KEY = "meshy/done"
@@ -50,8 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     recipe = load_recipe(argv[0] if argv else None)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     slot = assign(recipe, world, gpus_per_node=torch.cuda.device_count())[rank]
-    if slot.device != "cpu":
-        use_device(slot.device)  # the topology's GPU for this role, not the one LOCAL_RANK would name
+    if slot.devices:  # "cuda" without an index means the slot's GPU in this process, not GPU 0
+        torch.cuda.set_device(slot.device)
+        fraction = dict(recipe.roles.items())[slot.role].memory_fraction
+        if fraction is not None:
+            for device in slot.devices:
+                torch.cuda.set_per_process_memory_fraction(fraction, device)
     directory = run_dir(recipe)
     (directory / "logs").mkdir(parents=True, exist_ok=True)
     store = dist.TCPStore(
@@ -71,7 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     client.create_table(rollout_table(recipe))
     if slot.count > 1:
         init_process_group(
-            store=dist.PrefixStore(f"meshy/role/{slot.role}", store), rank=slot.index, world_size=slot.count
+            slot.device,
+            store=dist.PrefixStore(f"meshy/role/{slot.role}", store),
+            rank=slot.index,
+            world_size=slot.count,
         )
     ctx = RoleContext(recipe, slot, directory, client)
     ctx.record("start", rank=rank, pid=os.getpid(), dataplane=server.pids if server is not None else None)

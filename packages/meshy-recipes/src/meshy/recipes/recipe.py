@@ -27,17 +27,26 @@ RING_ROLES = ("training", "inference")  # the roles that hand devices over throu
 DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
 
 
+def _check_placement(spec: "RoleSpec | CustomRoleSpec") -> None:
+    if spec.processes < 1 or spec.devices_per_process < 0:
+        raise SchemaError(f"processes >= 1 and devices_per_process >= 0, got {spec}")
+    if spec.memory_fraction is not None and not 0 < spec.memory_fraction <= 1:
+        raise SchemaError(f"memory_fraction: expected a fraction in (0, 1] of each GPU, got {spec.memory_fraction}")
+
+
 @dataclass(frozen=True)
 class RoleSpec:
-    """processes: how many ranks run the role. devices_per_process: GPUs each uses (0: CPU)."""
+    """processes: how many ranks run the role. devices_per_process: GPUs each uses (0: CPU).
+    memory_fraction: the share of each of its GPUs the role may allocate (None: all of it); needed when
+    roles share GPUs at the same time (Recipe.share_devices)."""
 
     processes: int = 1
     devices_per_process: int = 0
+    memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.processes < 1 or self.devices_per_process < 0:
-            raise SchemaError(f"processes >= 1 and devices_per_process >= 0, got {self}")
+        _check_placement(self)
 
 
 @dataclass(frozen=True)
@@ -51,11 +60,13 @@ class CustomRoleSpec:
     cls: str
     processes: int = 1
     devices_per_process: int = 0
+    memory_fraction: float | None = None
     options: dict = field(default_factory=dict)
     task: str = ""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        _check_placement(self)
         if self.name in BUILTIN_ROLES or not self.name.isidentifier():
             raise SchemaError(f"custom role name {self.name!r}: expected an identifier other than {BUILTIN_ROLES}")
         if ":" not in self.cls:
@@ -91,9 +102,11 @@ class ModelSpec:
     """name: a meshy.train model. init: "scratch", or the weights the first version starts from: an HF
     directory, "hf:<owner/name>" or "gguf:<name>" (meshy.recipes.pretrained). overrides: architecture fields
     to change (e.g. vocab_size for a task tokenizer). teacher: the teacher's weights, named as init's
-    (distillation)."""
+    (distillation). dtype: what the model computes in, everywhere: training (mixed precision over
+    float32 weights and optimizer state), the published weights, the inference and teacher engines."""
 
     name: str = "qwen3-tiny"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     init: str = "scratch"
     overrides: dict = field(default_factory=dict)
     teacher: str | None = None
@@ -211,9 +224,11 @@ class SamplingSpec:
 
 @dataclass(frozen=True)
 class Recipe:
-    """steps: weights versions to train. colocate: groups of roles that share devices through a GPU
-    token ring (e.g. [["training", "inference"]]). publish: how weights reach inference. extra_columns:
-    columns added to the rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
+    """steps: weights versions to train. colocate: groups of roles that share devices by taking turns,
+    through a GPU token ring (e.g. [["training", "inference"]]). share_devices: groups of roles that
+    share devices at the same time, each within its `memory_fraction` of every GPU (their fractions
+    add up to at most 1). publish: how weights reach inference. extra_columns: columns added to the
+    rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
 
     name: str
     steps: int = 100
@@ -222,6 +237,7 @@ class Recipe:
     checkpoint_every: int = 0
     publish: Literal["disk", "shared-memory"] = "disk"
     colocate: tuple[tuple[str, ...], ...] = ()
+    share_devices: tuple[tuple[str, ...], ...] = ()
     extra_columns: tuple[Column, ...] = ()
     model: ModelSpec = field(default_factory=ModelSpec)
     task: TaskSpec = field(default_factory=TaskSpec)
@@ -266,6 +282,26 @@ class Recipe:
             sizes = {roles[r].processes for r in ring}
             if len(ring) < 2 or len(sizes) != 1:
                 raise SchemaError(f"colocate: ring {list(ring)} needs >= 2 roles with equal process counts")
+        for group in self.share_devices:
+            for role in group:
+                if role not in roles:
+                    raise SchemaError(f"share_devices: unknown role {role!r}; roles are {list(roles)}")
+                if role in seen:
+                    raise SchemaError(
+                        f"share_devices: role {role!r} already shares devices (colocate or another group)"
+                    )
+                seen.add(role)
+            specs = [roles[r] for r in group]
+            if len(group) < 2 or len({(s.processes, s.devices_per_process) for s in specs}) != 1:
+                raise SchemaError(
+                    f"share_devices: group {list(group)} needs >= 2 roles with equal processes and devices_per_process"
+                )
+            fractions = [s.memory_fraction for s in specs]
+            if None in fractions or sum(fractions) > 1:
+                raise SchemaError(
+                    f"share_devices: roles {list(group)} need memory_fraction set, adding up to at most 1; got "
+                    f"{dict(zip(group, fractions, strict=True))}"
+                )
 
     @property
     def world_size(self) -> int:

@@ -1,8 +1,9 @@
 """Which rank runs which role on which device: one pure function every rank evaluates identically.
 
 Roles get consecutive ranks in a fixed order (training first, so global rank 0 is training rank 0 and
-hosts the data plane). Roles in one colocation ring share devices: the i-th process of each uses the
-same GPUs. On a host without GPUs every role runs on the CPU.
+hosts the data plane). Roles in one colocation ring, or in one `share_devices` group, share devices:
+the i-th process of each uses the same GPUs (in a ring they take turns, in a group they run at once).
+On a host without GPUs every role runs on the CPU.
 """
 
 from dataclasses import dataclass
@@ -35,20 +36,21 @@ def assign(recipe: Recipe, world_size: int, gpus_per_node: int = 0) -> dict[int,
             f"({', '.join(f'{name}: {spec.processes}' for name, spec in recipe.roles.items())})"
         )
     rings = {role: "+".join(ring) for ring in recipe.colocate for role in ring}
-    slots, rank, next_device, ring_devices = {}, 0, 0, {}
+    sharing = {role: "+".join(group) for group in (*recipe.colocate, *recipe.share_devices) for role in group}
+    slots, rank, next_device, shared_devices = {}, 0, 0, {}
     for name, spec in recipe.roles.items():
         for index in range(spec.processes):
             devices: tuple[int, ...] = ()
             if gpus_per_node and spec.devices_per_process:
-                ring = rings.get(name)
-                key = (ring, index)
-                if ring is not None and key in ring_devices:
-                    devices = ring_devices[key]
+                group = sharing.get(name)
+                key = (group, index)
+                if group is not None and key in shared_devices:
+                    devices = shared_devices[key]
                 else:
                     devices = tuple(range(next_device, next_device + spec.devices_per_process))
                     next_device += spec.devices_per_process
-                    if ring is not None:
-                        ring_devices[key] = devices
+                    if group is not None:
+                        shared_devices[key] = devices
                 if devices[-1] >= gpus_per_node:
                     raise SchemaError(
                         f"roles.{name}.devices_per_process: the recipe needs more than the {gpus_per_node} GPUs "

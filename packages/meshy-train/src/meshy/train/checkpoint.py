@@ -1,5 +1,5 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): model and optimizer (sharded as trained), LR
-scheduler, step, every rank's RNG state and the data-plane cursors the caller hands in.
+scheduler, step, every rank's RNG state (CPU, Python and CUDA) and the data-plane cursors the caller hands in.
 
 A checkpoint is written under a temporary name and renamed once every rank has finished, so
 `latest` never returns a half-written one. Resuming from it reproduces the next step bit for bit.
@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from meshy.dataplane.devices import HOST
 from meshy.dataplane.errors import DataPlaneError
 
 _PREFIX = "step-"
@@ -82,8 +83,15 @@ def _state(trainer: Trainer, cursors: dict[str, Any]) -> dict[str, Any]:
         "progress": {"steps": trainer.steps, "skipped_nonfinite": trainer.skipped_nonfinite},
         "cursors": cursors,
         # Each rank saves (and restores) its own generators under its own key.
-        f"rng_rank{rank}": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        f"rng_rank{rank}": {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": _cuda_rng(trainer)},
     }
+
+
+def _cuda_rng(trainer: Trainer) -> bytes:
+    """The generator state of the CUDA device the model is on (empty off CUDA), as bytes: a checkpoint
+    saved on one kind of device loads on the other."""
+    device = next(trainer.model.parameters()).device
+    return bytes(torch.cuda.get_rng_state(device).tolist()) if device.type == "cuda" else b""
 
 
 def save(root: str | Path, step: int, trainer: Trainer, cursors: dict[str, Any]) -> Path:
@@ -138,6 +146,9 @@ def load(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     trainer.skipped_nonfinite = state["progress"]["skipped_nonfinite"]
     torch.set_rng_state(state[rng_key]["torch"])
     random.setstate(state[rng_key]["python"])
+    device, cuda_rng = next(trainer.model.parameters()).device, state[rng_key].get("cuda", b"")
+    if device.type == "cuda" and cuda_rng:
+        torch.cuda.set_rng_state(torch.tensor(list(cuda_rng), dtype=torch.uint8, device=HOST), device)
     return state["cursors"]
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshy.dataplane import Batch, DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.train.logprobs import pack_rows
@@ -93,7 +93,7 @@ class CriticServiceConfig:
 
 def _all_have(flag: bool) -> int:
     """How many ranks have work (every rank must join every FSDP forward)."""
-    t = torch.tensor([float(flag)])
+    t = torch.tensor([float(flag)], device=HOST)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return int(t.item())
@@ -162,7 +162,7 @@ def _pad(batch: Batch | None, device: torch.device) -> tuple[torch.Tensor, torch
     if batch is None:
         return torch.zeros(1, 2, dtype=torch.int64, device=device), torch.zeros(1, 1, device=device), []
     tokens, spans = pack_rows(batch.columns[cols.PROMPT_IDS], batch.columns[cols.RESPONSE_IDS])
-    mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+    mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, device=HOST)
     for i, span in enumerate(spans):
         mask[i, span] = 1.0
     return tokens.to(device), mask.to(device), spans

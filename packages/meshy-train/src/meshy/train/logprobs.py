@@ -7,12 +7,14 @@ so padding needs no attention mask. Position t predicts token t + 1.
 import torch
 import torch.nn.functional as F
 
+from meshy.dataplane import HOST
+
 
 def pack_rows(prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> tuple[torch.Tensor, list[slice]]:
     """Right-padded prompt + response tokens [B, T] (T >= 2), and for each row the span of positions
     whose labels are its response tokens."""
     length = max(2, *(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)))
-    tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
+    tokens = torch.zeros(len(prompts), length, dtype=torch.int64, device=HOST)
     spans = []
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         tokens[i, : len(p)], tokens[i, len(p) : len(p) + len(r)] = p, r

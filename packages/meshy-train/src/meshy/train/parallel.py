@@ -2,11 +2,11 @@
 torchtitan's Qwen3 parallelize function (FSDP2 over data-parallel ranks; TP, EP and CP degrees pass
 through for GPU recipes), then materialised on the local device.
 
-The default process group is the training role's own (its ranks only): roles never run collectives
+The compute dtype is the recipe's model dtype (one for trainer, publisher and engines), not a parallelism
+setting. The default process group is the training role's own (its ranks only): roles never run collectives
 with each other, they meet on the data plane.
 """
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.qwen3 import parallelize_qwen3
 
@@ -37,7 +37,6 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     cp: int = 1
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     compile: bool = False
 
@@ -50,51 +49,57 @@ class ParallelConfig:
             raise SchemaError(f"ParallelConfig.dp_shard: expected -1 or a degree >= 1, got {self.dp_shard}")
 
 
-_pinned: torch.device | None = None  # this process's GPU, when a launcher chose it (use_device)
-
-
-def use_device(device: str | torch.device) -> None:
-    """Pin this process's model and process group to `device` (e.g. its role's GPU in a recipe's
-    topology, which need not be its LOCAL_RANK: a critic may be rank 8 on cuda:6)."""
-    global _pinned
-    _pinned = torch.device(device)
-
-
-def local_device() -> torch.device:
-    """The device this process builds its model on: CPU without CUDA, the pinned GPU if one was chosen,
-    else the GPU its torchrun LOCAL_RANK names."""
-    if cpu.on_cpu():
-        return torch.device("cpu")
-    if _pinned is not None:
-        return _pinned
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ACTIVATION_CHECKPOINTING = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}
+ModelDtype = Literal["float32", "bfloat16"]
 
 
 def init_process_group(
-    timeout_s: float = 600.0, store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None
+    device: str | torch.device,
+    timeout_s: float = 600.0,
+    store: dist.Store | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> None:
-    """Join the training role's process group: from torchrun-style env (RANK, WORLD_SIZE, MASTER_*), or
-    from a store shared with the role's other processes (given with this process's rank and their count)."""
+    """Join the training role's process group, for processes whose model lives on `device` (their slot's):
+    from torchrun-style env (RANK, WORLD_SIZE, MASTER_*), or from a store shared with the role's other
+    processes (given with this process's rank and their count)."""
     if dist.is_initialized():
         return
-    if cpu.on_cpu():
+    device = torch.device(device)
+    if device.type == "cpu":
         cpu.use_cpu_device()
     else:
-        torch.cuda.set_device(local_device())
+        torch.cuda.set_device(device)
     # Autograd's worker threads cannot see the mesh stack torchtitan keeps per thread (for AC).
     torch.autograd.set_multithreading_enabled(False)
     # On GPUs, NCCL for device tensors and gloo for the small host-tensor collectives (counts, flags,
     # metrics) the services run: a process group of NCCL alone refuses CPU tensors.
-    backend, timeout = "gloo" if cpu.on_cpu() else "cpu:gloo,cuda:nccl", timedelta(seconds=timeout_s)
+    backend, timeout = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl", timedelta(seconds=timeout_s)
     if store is None:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
 
 
-def build_model(arch: DecoderArch, config: ParallelConfig, seed: int = 0) -> tuple[torch.nn.Module, ParallelDims]:
-    """The model, parallelized over the default process group and initialised from `seed`."""
-    if cpu.on_cpu():
+def build_model(
+    arch: DecoderArch,
+    config: ParallelConfig,
+    *,
+    device: str | torch.device,
+    dtype: ModelDtype = "float32",
+    seed: int = 0,
+) -> tuple[torch.nn.Module, ParallelDims]:
+    """The model on `device`, computing in `dtype` over float32 weights, initialised from `seed`.
+
+    Every process applies the same torchtitan parallelize step (activation checkpointing, compile); the
+    processes of a role with several share the model with FSDP2, whose mixed-precision policy computes
+    in `dtype`. A single process is not sharded, so it computes in `dtype` under autocast, as
+    torchtitan's own trainer does on one device."""
+    if dtype not in DTYPES:
+        raise SchemaError(f"build_model dtype: expected one of {list(DTYPES)}, got {dtype!r}")
+    device = torch.device(device)
+    if device.type == "cpu":
         cpu.use_cpu_device()
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallelism = ParallelismConfig(
@@ -111,23 +116,24 @@ def build_model(arch: DecoderArch, config: ParallelConfig, seed: int = 0) -> tup
     if world > 1:
         dims.build_mesh()
         set_spmd_backend(SPMD_BACKEND)
-        model = parallelize_qwen3(
-            model,
-            parallel_dims=dims,
-            training=TrainingConfig(mixed_precision_param=config.param_dtype),
-            parallelism=parallelism,
-            compile_config=CompileConfig(enable=config.compile, components=["model"] if config.compile else []),
-            ac_config=None
-            if config.activation_checkpoint == "none"
-            else ActivationCheckpointingConfig(mode=config.activation_checkpoint),
-            dump_folder="",
-        )
-        if cpu.on_cpu():
-            cpu.sum_gradient_reduction(model)
-    model.to_empty(device=local_device())
+    model = parallelize_qwen3(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param=dtype),
+        parallelism=parallelism,
+        compile_config=CompileConfig(enable=config.compile, components=["model"] if config.compile else []),
+        ac_config=ACTIVATION_CHECKPOINTING[config.activation_checkpoint],
+        dump_folder="",
+        skip_dp=world == 1,
+    )
+    if world > 1 and device.type == "cpu":
+        cpu.sum_gradient_reduction(model)
+    model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    if world == 1 and dtype != "float32":
+        model.forward = torch.autocast(device.type, dtype=DTYPES[dtype])(model.forward)
     model.train()
     return model, dims
 

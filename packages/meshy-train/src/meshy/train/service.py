@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from meshy.dataplane import Batch, DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weights import Published
@@ -91,7 +91,7 @@ class MetricsLog:
 
 
 def _sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=HOST)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
@@ -255,7 +255,7 @@ class TrainingService:
             if reason is not None:
                 dropped.append({"row": row_id, "reason": reason})
                 continue
-            keep = torch.ones(n, dtype=torch.bool)
+            keep = torch.ones(n, dtype=torch.bool, device=HOST)
             age = self.version - per_token[cols.TOKEN_VERSIONS]
             staleness.update(age.tolist())
             if self.config.max_staleness is not None:
@@ -282,7 +282,7 @@ class TrainingService:
         rows = rows or [self._placeholder_row()]
         tokens, spans = pack_rows([r["prompt"] for r in rows], [r["response"] for r in rows])
         b, t = tokens.shape[0], tokens.shape[1] - 1
-        mask, adv, rollout = torch.zeros(b, t), torch.zeros(b, t), torch.zeros(b, t)
+        mask, adv, rollout = (torch.zeros(b, t, device=HOST) for _ in range(3))
         extra = self._optional_empty(b, t)
         for i, (r, span) in enumerate(zip(rows, spans, strict=True)):
             mask[i, span] = r["keep"].float()
@@ -304,13 +304,13 @@ class TrainingService:
 
     def _placeholder_row(self) -> dict:
         """A one-token row with nothing to train, for a rank that has no rows."""
-        one = torch.zeros(1, dtype=torch.int64)
+        one = torch.zeros(1, dtype=torch.int64, device=HOST)
         row = {
             "prompt": one,
             "response": one,
-            "keep": torch.zeros(1, dtype=torch.bool),
-            cols.ADVANTAGE: torch.zeros(1),
-            cols.ROLLOUT_LOGPROBS: torch.zeros(1),
+            "keep": torch.zeros(1, dtype=torch.bool, device=HOST),
+            cols.ADVANTAGE: torch.zeros(1, device=HOST),
+            cols.ROLLOUT_LOGPROBS: torch.zeros(1, device=HOST),
         }
         for name, value in self._optional_empty(1, 1).items():
             row[
@@ -326,8 +326,8 @@ class TrainingService:
         extra = {}
         if self.config.distill:
             k = self.client.table(self.config.table).column(cols.TEACHER_TOPK_IDS).shape[1]
-            extra["teacher_topk_ids"] = torch.zeros(b, t, k, dtype=torch.int64)
-            extra["teacher_topk_logprobs"] = torch.zeros(b, t, k)
+            extra["teacher_topk_ids"] = torch.zeros(b, t, k, dtype=torch.int64, device=HOST)
+            extra["teacher_topk_logprobs"] = torch.zeros(b, t, k, device=HOST)
         if self.config.kl_to_reference:
-            extra["ref_logprobs"] = torch.zeros(b, t)
+            extra["ref_logprobs"] = torch.zeros(b, t, device=HOST)
         return extra

@@ -240,13 +240,15 @@ class PolicyTrainer:
         """Mean entropy per trained token, over at most `entropy_metric_tokens` of them per rank (evenly
         strided): as a metric it needs no more, and on small models a full pass costs as much as a layer."""
         with torch.no_grad():
+            device = log_probs.device
             positions = mask.bool().nonzero()
             limit = self.loss.entropy_metric_tokens
             if limit and len(positions) > limit:
-                positions = positions[torch.linspace(0, len(positions) - 1, limit).long()]
+                positions = positions[torch.linspace(0, len(positions) - 1, limit, device=device).long()]
             picked = log_probs[positions[:, 0], positions[:, 1]].unsqueeze(0)
-            totals = torch.stack([entropy_from_log_probs(picked).sum(), torch.tensor(float(len(positions)))])
-            entropy_sum, count = reduce_over_ranks(totals.to(log_probs.device)).tolist()
+            count = torch.tensor(float(len(positions)), device=device)
+            totals = torch.stack([entropy_from_log_probs(picked).sum(), count])
+            entropy_sum, count = reduce_over_ranks(totals).tolist()
         return entropy_sum / max(count, 1.0)
 
     @staticmethod

@@ -11,6 +11,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from meshy.dataplane import HOST
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.context import RoleContext
 from meshy.recipes.pretrained import load_init
@@ -28,7 +29,9 @@ class CriticRole:
         self.ctx = ctx
         recipe, algo = ctx.recipe, ctx.recipe.algorithm
         arch = recipe.model.arch()
-        backbone, _ = build_model(arch, algo.parallel, seed=recipe.seed)
+        backbone, _ = build_model(
+            arch, algo.parallel, device=ctx.slot.device, dtype=recipe.model.dtype, seed=recipe.seed
+        )
         model = ValueModel(backbone, arch.hidden_size, algo.initial_value)
         config = CriticServiceConfig(
             table=ctx.table,
@@ -76,7 +79,7 @@ class CriticRole:
 
     def _checkpoint_due(self, version: int) -> None:
         """Save under the newest checkpoint version every critic rank has seen announced, once."""
-        agreed = int(reduce_over_ranks(torch.tensor([float(version)]), dist.ReduceOp.MIN).item())
+        agreed = int(reduce_over_ranks(torch.tensor([float(version)], device=HOST), dist.ReduceOp.MIN).item())
         if agreed > self.saved_version:
             checkpoint.save(self.ctx.run_dir / CHECKPOINTS, agreed, self.service.trainer, {"version": agreed})
             self.saved_version = agreed

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from meshy.dataplane import HOST
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.context import GROUND_TRUTH, RoleContext
@@ -93,7 +94,7 @@ class RolloutRole:
         for p in range(per_process):
             group = (batch * algo.prompts_per_step) + slot.index * per_process + p
             problem = next(self.problems)
-            ids = torch.tensor(self.tokenizer.encode(problem.prompt), dtype=torch.int64)
+            ids = torch.tensor(self.tokenizer.encode(problem.prompt), dtype=torch.int64, device=HOST)
             for k in range(algo.group_size):
                 rows.append(group * algo.group_size + k)
                 groups.append(group)
@@ -117,7 +118,7 @@ class RolloutRole:
                 ids = response.tolist()
                 text = self.tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids)
                 rewards.append(float(self.reward_fn(text, truth)))
-            client.add_columns(table, batch.row_ids, {cols.REWARD: torch.tensor(rewards)}, ack=batch)
+            client.add_columns(table, batch.row_ids, {cols.REWARD: torch.tensor(rewards, device=HOST)}, ack=batch)
 
     # ---- advantages ---------------------------------------------------------------------------
     def advantages(self) -> None:
@@ -134,7 +135,7 @@ class RolloutRole:
             advantage = grpo_advantages(rewards, scale_by_std=algo.scale_by_std).view(-1)
             trained = self._trained_rows(rewards)
             per_token = [
-                torch.full((len(r) if keep else 0,), float(a))
+                torch.full((len(r) if keep else 0,), float(a), device=HOST)
                 for r, a, keep in zip(responses, advantage, trained, strict=True)
             ]
             client.add_columns(table, batch.row_ids, {cols.ADVANTAGE: per_token}, ack=batch)
@@ -149,10 +150,10 @@ class RolloutRole:
             if batch is None:
                 continue
             responses, values = batch.columns[cols.RESPONSE_IDS], batch.columns[cols.VALUES]
-            lengths = torch.tensor([len(r) for r in responses])
+            lengths = torch.tensor([len(r) for r in responses], device=HOST)
             width = max(1, int(lengths.max()))
-            mask = torch.arange(width)[None, :] < lengths[:, None]
-            token_rewards, padded_values = torch.zeros(len(responses), width), torch.zeros(len(responses), width)
+            mask = torch.arange(width, device=HOST)[None, :] < lengths[:, None]
+            token_rewards, padded_values = (torch.zeros(len(responses), width, device=HOST) for _ in range(2))
             for i, (n, value) in enumerate(zip(lengths.tolist(), values, strict=True)):
                 if n:
                     token_rewards[i, n - 1] = batch.columns[cols.REWARD][i]
@@ -183,8 +184,8 @@ class RolloutRole:
     def _overlong_penalty(self, responses: list[torch.Tensor]) -> torch.Tensor:
         algo = self.ctx.recipe.algorithm
         if not algo.overlong_buffer:
-            return torch.zeros(len(responses))
-        lengths = torch.tensor([len(r) for r in responses])
+            return torch.zeros(len(responses), device=HOST)
+        lengths = torch.tensor([len(r) for r in responses], device=HOST)
         max_length = self.ctx.recipe.sampling.max_new_tokens
         return dapo_overlong_penalty(lengths, max_length, algo.overlong_buffer, algo.overlong_factor)
 

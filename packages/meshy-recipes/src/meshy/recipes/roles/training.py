@@ -7,12 +7,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshy.dataplane import HOST, free_cached
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.colocation import join_ring
 from meshy.recipes.context import TRAIN_TASK, RoleContext, announce_stop
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
-from meshy.train import checkpoint
+from meshy.train import checkpoint, offload
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
@@ -24,9 +25,10 @@ class TrainingRole:
         self.ctx = ctx
         recipe, algo = ctx.recipe, ctx.recipe.algorithm
         self.arch = recipe.model.arch()
-        model, _ = build_model(self.arch, algo.parallel, seed=recipe.seed)
+        self.device = torch.device(ctx.slot.device)
+        model, _ = build_model(self.arch, algo.parallel, device=self.device, dtype=recipe.model.dtype, seed=recipe.seed)
         self.trainer = PolicyTrainer(model, algo.optim, algo.loss)
-        dtype = "float32" if ctx.slot.device == "cpu" else "bfloat16"
+        dtype = recipe.model.dtype
         if recipe.publish == "shared-memory":
             publisher = SharedMemoryPublisher(f"meshy-{ctx.run_dir.name}", self.arch, ctx.client, dtype=dtype)
         else:
@@ -52,7 +54,6 @@ class TrainingRole:
             checkpoint_dir=ctx.run_dir / "checkpoints",
         )
         self.lead = ctx.slot.index == 0
-        self.device = next(model.parameters()).device
 
     def run(self) -> None:
         ctx, steps = self.ctx, self.ctx.recipe.steps
@@ -60,7 +61,7 @@ class TrainingRole:
         self.service.publish_initial()
         progress = Progress(ctx.run_dir, steps, self._metrics()) if self.lead else None
         ctx.record("train_start", version=self.service.version)
-        ring = join_ring(ctx, on_acquire=lambda _: self._move(self.device), on_release=lambda: self._move("cpu"))
+        ring = join_ring(ctx, on_acquire=lambda _: offload.move(self.trainer, self.device), on_release=self._offload)
         try:
             while self.service.version < steps:
                 start = time.perf_counter()
@@ -112,13 +113,10 @@ class TrainingRole:
         path = self.ctx.run_dir / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
-    def _move(self, device: str) -> None:
-        """Offload to host memory while another role holds the devices, and back (a no-op move on CPU)."""
-        self.trainer.model.to(device)
-        for state in self.trainer.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(device)
+    def _offload(self) -> None:
+        """Hand the devices over: the trainer's tensors to host memory, the freed memory to the driver."""
+        offload.move(self.trainer, HOST)
+        free_cached(self.device)
 
     def _keep_final_weights(self):
         final = self.ctx.run_dir / "final_weights"
