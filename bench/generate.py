@@ -1,10 +1,11 @@
 """TorchEngine against Hugging Face `transformers` generate, in one run, on this machine.
 
     uv run python bench/generate.py [--requests 64] [--batch 16] [--prompt 32] [--response 128]
+    python bench/generate.py --device cuda --dtype bfloat16 --models qwen3-0.6b --requests 256 --batch 128
 
-Both load the same published HF directory (random weights, fp32, EOS disabled so every request runs to
-its own budget) and sample with temperature 1, no top-k/top-p. Each model gets `--requests` prompts
-with at most `--batch` generating at once: HF `generate` takes them in static batches of `--batch`
+Both load the same published HF directory (random weights in `--dtype`, EOS disabled so every request
+runs to its own budget) and sample with temperature 1, no top-k/top-p, on `--device`. Each model gets
+`--requests` prompts with at most `--batch` generating at once: HF `generate` takes them in static batches of `--batch`
 (left-padded), TorchEngine takes them all and keeps `--batch` running (continuous batching).
 
 - equal: every prompt `--prompt` tokens, every response `--response` tokens.
@@ -13,7 +14,10 @@ with at most `--batch` generating at once: HF `generate` takes them in static ba
   at different steps); the engine frees a finished request's slot and admits the next at once.
 
 Tokens/s counts the tokens the requests asked for (the same for both), over wall time after a warm-up;
-the two sides run alternately `--repeats` times and each reports its median.
+the two sides run alternately `--repeats` times and each reports its median. On equal lengths every
+step decodes a full batch, so the engine's time per decode step is its time over the steps it ran; it
+is set against the memory-bandwidth bound of that step (the weights plus the keys and values of a
+batch at the mean context, read once, at `--bandwidth` TB/s).
 """
 
 import argparse
@@ -36,12 +40,18 @@ from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.publish import DirectoryPublisher
 
-MODELS = {"qwen3-tiny": get_model("qwen3-tiny"), "llama-135m": get_model("smollm2-135m")}  # SmolLM2-135M's shape
+MODELS = {
+    "qwen3-tiny": get_model("qwen3-tiny"),
+    "llama-135m": get_model("smollm2-135m"),  # SmolLM2-135M's shape
+    "qwen3-0.6b": get_model("qwen3-0.6b"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def publish(arch: DecoderArch, root: Path) -> Path:
-    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
-    directory = Path(DirectoryPublisher(root, arch, dtype="float32").publish(model, 0).location)
+def publish(arch: DecoderArch, root: Path, args: argparse.Namespace) -> Path:
+    model, _ = build_model(arch, ParallelConfig(), device=args.device, seed=0)
+    directory = Path(DirectoryPublisher(root, arch, dtype=args.dtype).publish(model, 0).location)
+    del model
     config = json.loads((directory / "config.json").read_text())
     config["eos_token_id"] = None  # every request runs to its own budget in both engines
     (directory / "config.json").write_text(json.dumps(config))
@@ -62,11 +72,12 @@ def workload(kind: str, args: argparse.Namespace, vocab: int) -> list[tuple[list
 
 
 def run_hf(model: torch.nn.Module, requests: list[tuple[list[int], int]], batch: int) -> None:
+    device = model.device
     for start in range(0, len(requests), batch):
         chunk = requests[start : start + batch]
         width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
         budget = max(n for _, n in chunk)
         with torch.no_grad():
             model.generate(
@@ -80,6 +91,8 @@ def run_hf(model: torch.nn.Module, requests: list[tuple[list[int], int]], batch:
                 min_new_tokens=budget,
                 pad_token_id=0,
             )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 async def run_engine(engine: TorchEngine, requests: list[tuple[list[int], int]]) -> None:
@@ -97,10 +110,27 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def step_bound_s(arch: DecoderArch, args: argparse.Namespace) -> float:
+    """Seconds one full decode step needs at least: every weight and, for each request, the keys and
+    values of its mean context read once from memory at --bandwidth TB/s."""
+    config = arch.hf_config(args.dtype)
+    width = DTYPES[args.dtype].itemsize
+    params = arch.num_parameters()
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * width
+    context = args.prompt + args.response / 2
+    return (params * width + args.batch * context * kv_per_token) / (args.bandwidth * 1e12)
+
+
 def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]:
-    hf = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[args.dtype]).to(args.device).eval()
     hf.generation_config.eos_token_id = None
-    engine = TorchEngine(directory, max_running=args.batch, max_len=args.prompt + args.response, dtype="float32")
+    engine = TorchEngine(
+        directory,
+        max_running=args.batch,
+        max_len=args.prompt + args.response,
+        device=args.device,
+        dtype=args.dtype,
+    )
     loop = asyncio.new_event_loop()
     rows = []
 
@@ -118,7 +148,11 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]
                 hf_s.append(seconds(partial(run_hf, hf, requests, args.batch)))
                 engine_s.append(seconds(partial(on_engine, requests)))
             hf_median, engine_median = statistics.median(hf_s), statistics.median(engine_s)
-            rows.append((name, kind, tokens, tokens / hf_median, tokens / engine_median, hf_median / engine_median))
+            steps = -(-len(requests) // args.batch) * args.response  # full-batch decode steps (equal lengths)
+            step = engine_median / steps if kind == "equal" else None
+            rows.append(
+                (name, kind, tokens, tokens / hf_median, tokens / engine_median, hf_median / engine_median, step)
+            )
     finally:
         loop.run_until_complete(engine.close())
         loop.close()
@@ -133,19 +167,30 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=128)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (median reported)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--bandwidth", type=float, default=4.8, help="device memory bandwidth, TB/s (H200: 4.8)")
     args = parser.parse_args()
-    rows = []
+    rows, bounds = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            rows += compare(name, publish(MODELS[name], Path(tmp) / name), args)
+            rows += compare(name, publish(MODELS[name], Path(tmp) / name, args), args)
+            bounds[name] = step_bound_s(MODELS[name], args)
+    where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
     print(
         f"\nTorchEngine vs HF generate: {args.requests} requests, batch {args.batch}, prompt <= {args.prompt}, "
-        f"response <= {args.response}, fp32, {torch.get_num_threads()} threads, "
+        f"response <= {args.response}, {args.dtype}, {args.device} ({where}), "
         f"median of {args.repeats} alternated runs per side\n"
     )
-    print("| model | lengths | tokens | HF tok/s | TorchEngine tok/s | speedup |\n|---|---|---|---|---|---|")
-    for name, kind, tokens, hf_rate, engine_rate, speedup in rows:
-        print(f"| {name} | {kind} | {tokens} | {hf_rate:.0f} | {engine_rate:.0f} | {speedup:.2f}x |")
+    print("| model | lengths | tokens | HF tok/s | TorchEngine tok/s | speedup | decode step | bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, kind, tokens, hf_rate, engine_rate, speedup, step in rows:
+        step_text = f"{step * 1e3:.2f} ms" if step is not None else "-"
+        bound_text = f"{bounds[name] * 1e3:.2f} ms" if step is not None else "-"
+        print(
+            f"| {name} | {kind} | {tokens} | {hf_rate:.0f} | {engine_rate:.0f} | {speedup:.2f}x | {step_text} "
+            f"| {bound_text} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
 """meshy.train against plain torch, in one run, on this machine.
 
     uv run python bench/train_step.py [--steps 20] [--publish-model qwen3-0.6b]
+    python bench/train_step.py --device cuda --model qwen3-0.6b --dtype bfloat16 --activation-checkpoint full \\
+        --groups 4 --response 1984 --skip-publish
 
 Step time: the training service (lease whole groups from a live data plane, build the batch, one
 PPO step with truncated importance sampling, ack) against a plain torch loop doing the same forward,
-backward, clipping and AdamW step on the same tokens, on the tiny Qwen3 model, single process.
+backward, clipping and AdamW step on the same tokens, single process, on `--device` in `--dtype` (the
+model is built by the same `build_model` for both: float32 weights, compute in the dtype). Tokens/s
+and MFU: model FLOPs per token 6 x parameters (the tied head counted once, an untied input embedding
+not at all: a lookup) + 12 x layers x heads x head_dim x sequence (attention), as torchtitan counts
+them, over `--peak-tflops` (H100/H200 dense bfloat16: 989).
 Publish time: DirectoryPublisher (gather, HF names, bf16, safetensors, checksum, atomic rename)
 against a raw `safetensors.torch.save_file` of the same tensors.
 """
@@ -13,46 +19,65 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from meshy.dataplane import DataPlaneClient, DataPlaneServer, new_secret
+from meshy.dataplane import HOST, DataPlaneClient, DataPlaneServer, new_secret
 from meshy.dataplane import rollout as cols
-from meshy.train.models import get_model
+from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.publish import DTYPES, DirectoryPublisher, hf_tensors
 from meshy.train.service import TrainingService, TrainServiceConfig
 from meshy.train.trainer import LossConfig, OptimConfig, PolicyTrainer
 
-GROUPS, GROUP, PROMPT, RESPONSE = 8, 4, 64, 448
 LR, CLIP_LOW, CLIP_HIGH, TIS_LOW, TIS_HIGH = 1e-4, 0.2, 0.28, 0.5, 5.0
 
 
-def rows(step: int, vocab: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    n = GROUPS * GROUP
+@dataclass(frozen=True)
+class Shape:
+    groups: int
+    group: int
+    prompt: int
+    response: int
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.group
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * (self.prompt + self.response)
+
+
+def rows(step: int, vocab: int, shape: Shape) -> dict:
+    g = torch.Generator(HOST).manual_seed(step)
+    n, response = shape.rows, shape.response
     return {
-        "prompt": torch.randint(0, vocab, (n, PROMPT), generator=g),
-        "response": torch.randint(0, vocab, (n, RESPONSE), generator=g),
-        "rollout_logprobs": -torch.rand(n, RESPONSE, generator=g) - 5.0,
-        "advantage": torch.randn(n, 1, generator=g).expand(n, RESPONSE).contiguous(),
+        "prompt": torch.randint(0, vocab, (n, shape.prompt), generator=g, device=HOST),
+        "response": torch.randint(0, vocab, (n, response), generator=g, device=HOST),
+        "rollout_logprobs": -torch.rand(n, response, generator=g, device=HOST) - 5.0,
+        "advantage": torch.randn(n, 1, generator=g, device=HOST).expand(n, response).contiguous(),
     }
 
 
 class PlainLoop:
     """The same math in plain torch: no data plane, no batch building, no metrics."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, shape: Shape):
+        self.model, self.shape = model, shape
+        self.device = next(model.parameters()).device
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
     def step(self, data: dict) -> None:
+        data = {k: v.to(self.device) for k, v in data.items()}
         tokens = torch.cat([data["prompt"], data["response"]], dim=1)
         logits = self.model(tokens[:, :-1]).float()
-        logprobs = torch.gather(F.log_softmax(logits, -1), -1, tokens[:, 1:, None]).squeeze(-1)[:, PROMPT - 1 :]
+        logprobs = torch.gather(F.log_softmax(logits, -1), -1, tokens[:, 1:, None]).squeeze(-1)
+        logprobs = logprobs[:, self.shape.prompt - 1 :]
         old = logprobs.detach()
         ratio = torch.exp(logprobs - old)
         adv = data["advantage"]
@@ -63,6 +88,7 @@ class PlainLoop:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        loss.item()  # the service reads its metrics back every step: so does the loop
 
 
 class NoPublish:
@@ -70,41 +96,52 @@ class NoPublish:
         return None
 
 
-def produce(client: DataPlaneClient, step: int, vocab: int) -> None:
-    data, base = rows(step, vocab), step * GROUPS * GROUP
-    ids = list(range(base, base + GROUPS * GROUP))
-    client.put("rollout", ids, {cols.PROMPT_IDS: list(data["prompt"])}, group_ids=[i // GROUP for i in ids])
+def produce(client: DataPlaneClient, step: int, vocab: int, shape: Shape) -> None:
+    data, base = rows(step, vocab, shape), step * shape.rows
+    ids = list(range(base, base + shape.rows))
+    client.put("rollout", ids, {cols.PROMPT_IDS: list(data["prompt"])}, group_ids=[i // shape.group for i in ids])
     columns = {
         cols.RESPONSE_IDS: list(data["response"]),
         cols.ROLLOUT_LOGPROBS: list(data["rollout_logprobs"]),
-        cols.TOKEN_VERSIONS: [torch.full((RESPONSE,), step)] * len(ids),
+        cols.TOKEN_VERSIONS: [torch.full((shape.response,), step, device=HOST)] * len(ids),
         cols.ADVANTAGE: list(data["advantage"]),
     }
     client.add_columns("rollout", ids, columns)
 
 
-def step_times(steps: int) -> dict[str, list[float]]:
+def flops_per_token(arch: DecoderArch, sequence: int) -> float:
+    params = arch.num_parameters() - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
+    attention = 12 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim * sequence
+    return 6 * params + attention
+
+
+def step_times(args: argparse.Namespace, arch: DecoderArch, shape: Shape) -> dict[str, list[float]]:
     """Both paths step by step, interleaved, so drift on a shared machine hits both alike."""
-    arch = get_model("qwen3-tiny")
-    plain = PlainLoop(build_model(arch, ParallelConfig(), device="cpu", seed=0)[0])
-    model = build_model(arch, ParallelConfig(), device="cpu", seed=0)[0]
+    parallel = ParallelConfig(activation_checkpoint=args.activation_checkpoint, compile=args.compile)
+    build = {"device": args.device, "dtype": args.dtype, "seed": 0}
+    plain = PlainLoop(build_model(arch, parallel, **build)[0], shape)
+    model = build_model(arch, parallel, **build)[0]
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else lambda: None
     times: dict[str, list[float]] = {"plain torch loop": [], "meshy training service": []}
     secret = new_secret()
     with DataPlaneServer.start(secret) as server, DataPlaneClient(server.endpoints, secret) as client:
-        client.create_table(cols.rollout_table("rollout", group_size=GROUP, retire_after=("train",)))
+        client.create_table(cols.rollout_table("rollout", group_size=shape.group, retire_after=("train",)))
         trainer = PolicyTrainer(model, OptimConfig(lr=LR), LossConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH))
-        service = TrainingService(client, trainer, NoPublish(), TrainServiceConfig(groups_per_rank=GROUPS))
-        produce(client, 0, arch.vocab_size)  # rollout runs a batch ahead of training, as in a pipelined run
-        for step in range(steps):
-            produce(client, step + 1, arch.vocab_size)  # not timed
+        service = TrainingService(client, trainer, NoPublish(), TrainServiceConfig(groups_per_rank=shape.groups))
+        produce(client, 0, arch.vocab_size, shape)  # rollout runs a batch ahead of training, as in a pipelined run
+        for step in range(args.steps + 2):
+            produce(client, step + 1, arch.vocab_size, shape)  # not timed
+            sync()
             start = time.perf_counter()
-            plain.step(rows(step, arch.vocab_size))
+            plain.step(rows(step, arch.vocab_size, shape))
+            sync()
             times["plain torch loop"].append(time.perf_counter() - start)
             start = time.perf_counter()
             service.train_version()
+            sync()
             times["meshy training service"].append(time.perf_counter() - start)
         service.close()
-    return {name: values[2:] for name, values in times.items()}  # the first steps warm up allocators
+    return {name: values[2:] for name, values in times.items()}  # the first steps warm up allocators (and compile)
 
 
 def publish_times(model_name: str, dtype: str, reps: int) -> tuple[list[float], list[float]]:
@@ -129,19 +166,38 @@ def publish_times(model_name: str, dtype: str, reps: int) -> tuple[list[float], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="qwen3-tiny")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--activation-checkpoint", default="none", choices=["none", "selective", "full"])
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--response", type=int, default=448)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense peak in --dtype")
     parser.add_argument("--publish-model", default="qwen3-0.6b")
     parser.add_argument("--publish-reps", type=int, default=5)
+    parser.add_argument("--skip-publish", action="store_true")
     args = parser.parse_args()
-    results = {name: statistics.median(values) for name, values in step_times(args.steps + 2).items()}
-    tokens = GROUPS * GROUP * (PROMPT + RESPONSE)
-    print(f"\nstep time, qwen3-tiny, {GROUPS * GROUP} rows x {PROMPT + RESPONSE} tokens, median of {args.steps}\n")
-    print(f"| {'path':<24} | {'ms/step':>8} | {'tokens/s':>9} |")
-    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 11}|")
+    arch, shape = get_model(args.model), Shape(args.groups, args.group, args.prompt, args.response)
+    results = {name: statistics.median(values) for name, values in step_times(args, arch, shape).items()}
+    flops = flops_per_token(arch, shape.prompt + shape.response)
+    print(
+        f"\nstep time, {args.model} on {args.device}, {args.dtype} compute, activation checkpointing "
+        f"{args.activation_checkpoint}{', compiled' if args.compile else ''}, {shape.rows} rows x "
+        f"{shape.prompt + shape.response} tokens, median of {args.steps}\n"
+    )
+    print(f"| {'path':<24} | {'ms/step':>8} | {'tokens/s':>9} | {'MFU':>6} |")
+    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 11}|{'-' * 8}|")
     for name, median in results.items():
-        print(f"| {name:<24} | {median * 1e3:>8.1f} | {tokens / median:>9.0f} |")
+        rate = shape.tokens / median
+        mfu = rate * flops / (args.peak_tflops * 1e12)
+        print(f"| {name:<24} | {median * 1e3:>8.1f} | {rate:>9.0f} | {mfu:>6.1%} |")
     plain, service = results.values()
     print(f"\nservice / plain loop: {service / plain:.3f}x (target <= 1.10x)")
-
+    if args.skip_publish:
+        return
     print(f"\npublish, median of {args.publish_reps}; the model trains in float32 here\n")
     print(f"| {'model':<12} | {'published as':<12} | {'raw save_file s':>15} | {'publisher s':>11} | {'ratio':>6} |")
     print(f"|{'-' * 14}|{'-' * 14}|{'-' * 17}|{'-' * 13}|{'-' * 8}|")

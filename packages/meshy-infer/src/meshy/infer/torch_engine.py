@@ -302,7 +302,7 @@ class _Scheduler:
             self.model.decode(tokens, positions, self.cache, span)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             hidden = self.model.decode(tokens, positions, self.cache, span)
         return graph, hidden
 

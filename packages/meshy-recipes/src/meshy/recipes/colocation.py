@@ -2,6 +2,8 @@
 shares ring `<roles>-<i>`. Inference is the FALLBACK member (it generates whenever nobody else needs the
 devices); the others are ON_DEMAND (they ask before each burst of compute, and hand the devices back)."""
 
+import torch
+
 from meshy.dataplane import FALLBACK, ON_DEMAND, GpuTokenRing, Grant
 from meshy.recipes.context import RoleContext
 
@@ -24,3 +26,15 @@ def join_ring(ctx: RoleContext, on_acquire, on_release) -> GpuTokenRing | None:
 
 def grant_ring(ring: tuple[str, ...], ctx: RoleContext) -> str:
     return f"{'+'.join(ring)}-{ctx.slot.index}"
+
+
+def record_released(ctx: RoleContext) -> None:
+    """Record what this process still holds on its GPU after handing the ring's token over (`meshy
+    inspect` and the GPU check read it): what it allocated, and what torch keeps reserved for it."""
+    if ctx.slot.devices:
+        device = torch.device(ctx.slot.device)
+        ctx.record(
+            "released",
+            allocated=torch.cuda.memory_allocated(device),
+            reserved=torch.cuda.memory_reserved(device),
+        )

@@ -4,7 +4,7 @@ import asyncio
 
 from meshy.dataplane.weights import WEIGHTS_STREAM, Published
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
-from meshy.recipes.colocation import join_ring
+from meshy.recipes.colocation import join_ring, record_released
 from meshy.recipes.context import RoleContext
 from meshy.recipes.engines import build_engine
 
@@ -39,6 +39,7 @@ class InferenceRole:
         async def give() -> None:
             await engine.pause()
             await engine.release()
+            record_released(self.ctx)
 
         async def take() -> None:
             await engine.onload()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from meshy.dataplane import HOST, free_cached
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.colocation import join_ring
+from meshy.recipes.colocation import join_ring, record_released
 from meshy.recipes.context import TRAIN_TASK, RoleContext, announce_stop
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
@@ -117,6 +117,7 @@ class TrainingRole:
         """Hand the devices over: the trainer's tensors to host memory, the freed memory to the driver."""
         offload.move(self.trainer, HOST)
         free_cached(self.device)
+        record_released(self.ctx)
 
     def _keep_final_weights(self):
         final = self.ctx.run_dir / "final_weights"

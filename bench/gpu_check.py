@@ -1,0 +1,252 @@
+"""The GPU check: what a short lease of one GPU should establish, in one script, within a time budget.
+
+    python3 bench/gpu_check.py --out DIR                      # on one CUDA GPU (see shared/gpu-kit)
+    uv run python bench/gpu_check.py --cpu --out DIR          # the same stages on the CPU, tiny (CI)
+
+Stages, in order, each a subprocess with its own timeout (cut to what is left of --budget; a stage that
+fails or runs out of time is reported and the next one runs):
+  imports           the four packages import; torch, CUDA, the device
+  gpu-tests         `pytest -m gpu`: parity per dtype, memory returned by release/offload, conformance
+  generate          bench/generate.py: TorchEngine vs transformers `generate`, decode step vs bound
+  train-step        bench/train_step.py: tokens/s and MFU of qwen3-0.6b, bfloat16, checkpointing
+  default-colocated the default recipe, training and inference colocated on the GPU (token ring)
+  ring-0.6b         a qwen3-0.6b-shaped run through the ring: bfloat16, activation checkpointing,
+                    release/onload at a real size (what each process still holds after releasing)
+  async-speedup     bench/async_speedup.py: W=1 vs W=none with training and inference sharing the GPU
+After every stage DIR holds summary.md and summary.json (figures and the tables the benches printed)
+and stages.log (every stage's whole output), so a check cut short still reports what it did.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPE = ROOT / "packages/meshy-recipes/src/meshy/recipes/default.toml"
+MESHY = [sys.executable, "-m", "meshy.recipes.cli"]
+
+
+@dataclass
+class Stage:
+    name: str
+    timeout_s: float
+    command: Callable[[Path], list[list[str]]]  # the commands to run, given a scratch directory
+    figures: Callable[[Path, str], dict] = lambda scratch, output: {}
+
+
+@dataclass
+class Result:
+    name: str
+    ok: bool
+    seconds: float
+    status: str
+    figures: dict = field(default_factory=dict)
+    tables: list[str] = field(default_factory=list)
+
+
+def recipe(scratch: Path, *, steps: int, model: str | None, dtype: str, checkpointing: bool, gpu: bool) -> Path:
+    """The default recipe with training and inference colocated (on GPU 0 when `gpu`), in `scratch`."""
+    text = DEFAULT_RECIPE.read_text()
+    for key, value in (("steps", steps), ("run_dir", f'"{scratch / "runs"}"'), ("checkpoint_every", 0)):
+        text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, count=1, flags=re.M)
+    if model is not None:  # its full vocabulary: the task's 17 ids are the first of them
+        text = text.replace('name = "qwen3-tiny"\noverrides = { vocab_size = 17 }', f'name = "{model}"')
+    text = text.replace("[model]\n", f'[model]\ndtype = "{dtype}"\n')
+    if checkpointing:
+        text += '\n[algorithm.parallel]\nactivation_checkpoint = "full"\n'
+    text = 'colocate = [["training", "inference"]]\n' + text
+    if gpu:
+        for role in ("training", "inference"):
+            text = text.replace(
+                f"[roles.{role}]\nprocesses = 1", f"[roles.{role}]\nprocesses = 1\ndevices_per_process = 1"
+            )
+    path = scratch / "recipe.toml"
+    path.write_text(text)
+    return path
+
+
+def run_figures(scratch: Path, output: str) -> dict:
+    """Versions, time per version, rewards and what the ring's processes held after releasing."""
+    (run_dir,) = (scratch / "runs").iterdir()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times, rewards = [m["time"] for m in metrics], [m["reward_mean"] for m in metrics]
+    figures = {
+        "versions": len(metrics),
+        "versions_in_order": [m["version"] for m in metrics] == list(range(1, len(metrics) + 1)),
+        "s_per_version": (times[-1] - times[0]) / max(len(times) - 1, 1),
+        "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
+        "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
+        "audit_clean": re.search(r"(gaps|duplicates|reordered) \[[^\]]", output) is None,
+    }
+    for name in ("training-0", "inference-0"):
+        path = run_dir / "records" / f"{name}.jsonl"
+        released = [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "released"]
+        if released:
+            figures[f"{name}_max_reserved_after_release_MiB"] = max(r["reserved"] for r in released) / 2**20
+            figures[f"{name}_releases"] = len(released)
+    return figures
+
+
+def pytest_figures(scratch: Path, output: str) -> dict:
+    counts = dict((word, int(n)) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", output))
+    return counts
+
+
+def stages(args: argparse.Namespace) -> list[Stage]:
+    cpu = args.cpu
+    gpu = not cpu
+    device = "cpu" if cpu else "cuda"
+
+    def run_recipe(steps: int, model: str | None, dtype: str, checkpointing: bool):
+        def command(scratch: Path) -> list[list[str]]:
+            path = recipe(scratch, steps=steps, model=model, dtype=dtype, checkpointing=checkpointing, gpu=gpu)
+            run_root = scratch / "runs"
+            return [[*MESHY, "run", str(path)], ["sh", "-c", f'{" ".join(MESHY)} inspect "$(ls -d {run_root}/*)"']]
+
+        return command
+
+    imports = (
+        "import platform, torch, meshy.dataplane, meshy.train, meshy.infer, meshy.recipes;"
+        "print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda,"
+        " torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
+    )
+    generate = ["--models", "qwen3-tiny", "--requests", "8", "--batch", "4", "--response", "8", "--repeats", "1"]
+    if gpu:
+        generate = ["--models", "qwen3-0.6b", "--requests", "256", "--batch", "128", "--prompt", "32"]
+        generate += ["--response", "128", "--repeats", "2"]
+    train = ["--activation-checkpoint", "full", "--skip-publish", "--model", "qwen3-tiny", "--groups", "1"]
+    train += ["--response", "32", "--steps", "2"]
+    if gpu:
+        train = ["--activation-checkpoint", "full", "--skip-publish", "--model", "qwen3-0.6b", "--groups", "4"]
+        train += ["--prompt", "64", "--response", "960", "--steps", "5"]
+    asynchronous = ["--modes", "W=1", "W=none", "--steps", "2", "--max-new-tokens", "8", "--prompts-per-step", "4"]
+    if gpu:
+        asynchronous = ["--gpu", "--modes", "W=1", "W=none", "--steps", "8", "--max-new-tokens", "256"]
+    bench = [sys.executable, str(ROOT / "bench")]
+    return [
+        Stage("imports", 60, lambda scratch: [[sys.executable, "-c", imports]]),
+        Stage(
+            "gpu-tests",
+            150,
+            lambda scratch: [
+                [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(ROOT / "tests")]
+            ],
+            pytest_figures,
+        ),
+        Stage(
+            "generate",
+            150,
+            lambda scratch: [
+                [bench[0], f"{bench[1]}/generate.py", "--device", device, "--dtype", "bfloat16", *generate]
+            ],
+        ),
+        Stage(
+            "train-step",
+            120,
+            lambda scratch: [
+                [bench[0], f"{bench[1]}/train_step.py", "--device", device, "--dtype", "bfloat16", *train]
+            ],
+        ),
+        Stage(
+            "default-colocated", 120, run_recipe(2 if cpu else 80, None, "float32", checkpointing=False), run_figures
+        ),
+        Stage(
+            "ring-0.6b",
+            150,
+            run_recipe(1 if cpu else 4, None if cpu else "qwen3-0.6b", "bfloat16", checkpointing=True),
+            run_figures,
+        ),
+        Stage("async-speedup", 240, lambda scratch: [[bench[0], f"{bench[1]}/async_speedup.py", *asynchronous]]),
+    ]
+
+
+def run_stage(stage: Stage, timeout: float, log) -> Result:
+    start = time.monotonic()
+    output, status, ok = "", "ok", True
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        try:
+            for command in stage.command(scratch):
+                left = timeout - (time.monotonic() - start)
+                code, text = run(command, left)
+                output += f"$ {' '.join(command)}\n{text}\n"
+                if code is None:
+                    status, ok = f"timed out after {timeout:.0f} s", False
+                    break
+                if code != 0:
+                    status, ok = f"exit code {code}", False
+                    break
+            figures = stage.figures(scratch, output) if ok else {}
+        except Exception as e:  # a stage's own failure is its result; the next stage still runs
+            status, ok, figures = f"{type(e).__name__}: {e}", False, {}
+    log.write(f"\n===== {stage.name}: {status}\n{output}")
+    log.flush()
+    tables = [line for line in output.splitlines() if line.startswith("|")]
+    return Result(stage.name, ok, time.monotonic() - start, status, figures, tables)
+
+
+def run(command: list[str], timeout: float) -> tuple[int | None, str]:
+    """Exit code (None: killed at the timeout, with everything it started) and the output."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT
+    )
+    try:
+        out, _ = process.communicate(timeout=max(timeout, 1))
+        return process.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        return None, out
+
+
+def write_summary(out: Path, results: list[Result], args: argparse.Namespace) -> None:
+    (out / "summary.json").write_text(json.dumps([vars(r) for r in results], indent=1))
+    lines = [f"# GPU check ({'cpu' if args.cpu else 'gpu'}, budget {args.budget:.0f} s)", ""]
+    lines += ["| stage | ok | seconds | status |", "|---|---|---|---|"]
+    lines += [f"| {r.name} | {'yes' if r.ok else 'NO'} | {r.seconds:.0f} | {r.status} |" for r in results]
+    for r in results:
+        if r.figures or r.tables:
+            lines += ["", f"## {r.name}", ""]
+            lines += [
+                f"- {key}: {value:.4g}" if isinstance(value, float) else f"- {key}: {value}"
+                for key, value in r.figures.items()
+            ]
+            lines += r.tables
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cpu", action="store_true", help="the same stages on the CPU with tiny sizes")
+    parser.add_argument("--budget", type=float, default=400.0, help="seconds for every stage together")
+    parser.add_argument("--stages", nargs="+", help="run only these stages")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget
+    results: list[Result] = []
+    with open(args.out / "stages.log", "w") as log:
+        for stage in stages(args):
+            if args.stages and stage.name not in args.stages:
+                continue
+            left = deadline - time.monotonic()
+            if left < 10:
+                results.append(Result(stage.name, False, 0.0, "skipped: the budget was spent"))
+            else:
+                results.append(run_stage(stage, min(stage.timeout_s, left), log))
+            print(f"{results[-1].name}: {results[-1].status} ({results[-1].seconds:.0f} s)", flush=True)
+            write_summary(args.out, results, args)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
