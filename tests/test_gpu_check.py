@@ -1,0 +1,66 @@
+"""bench/gpu_check.py on the CPU: the script a GPU lease runs works before any lease is spent on it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+
+
+def check(out: Path, *args: str, timeout: float = 900) -> tuple[int, list[dict], str]:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    return result.returncode, summary, (out / "summary.md").read_text()
+
+
+def test_the_bench_stages_run_and_report_their_tables(tmp_path):
+    code, summary, markdown = check(tmp_path, "--stages", "imports", "generate", "train-step", "--budget", "600")
+    assert [(s["name"], s["status"]) for s in summary] == [("imports", "ok"), ("generate", "ok"), ("train-step", "ok")]
+    assert code == 0
+    assert "| qwen3-tiny | equal |" in markdown and "| meshy training service " in markdown
+    assert "torch" in (tmp_path / "stages.log").read_text()
+
+
+def test_a_spent_budget_skips_the_rest_and_fails_the_check(tmp_path):
+    code, summary, markdown = check(tmp_path, "--stages", "imports", "--budget", "5", timeout=60)
+    assert code == 1
+    assert summary == [
+        {
+            "name": "imports",
+            "ok": False,
+            "seconds": 0.0,
+            "status": "skipped: the budget was spent",
+            "figures": {},
+            "tables": [],
+        }
+    ]
+    assert "| imports | NO | 0 | skipped: the budget was spent |" in markdown
+
+
+@pytest.mark.slow
+def test_every_stage_passes_on_the_cpu(tmp_path):
+    code, summary, _ = check(tmp_path, "--budget", "1500", timeout=1800)
+    assert [(s["name"], s["status"]) for s in summary] == [
+        (name, "ok")
+        for name in (
+            "imports",
+            "gpu-tests",
+            "generate",
+            "train-step",
+            "default-colocated",
+            "ring-0.6b",
+            "async-speedup",
+        )
+    ], summary
+    assert code == 0
+    runs = {s["name"]: s["figures"] for s in summary}
+    for name in ("default-colocated", "ring-0.6b"):
+        assert runs[name]["versions_in_order"] and runs[name]["audit_clean"], runs[name]
