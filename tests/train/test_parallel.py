@@ -72,3 +72,17 @@ def test_one_process_computes_in_the_model_dtype_with_the_recipe_s_checkpointing
 def test_an_unknown_dtype_is_refused_naming_the_field():
     with pytest.raises(SchemaError, match="build_model dtype: expected one of \\['float32', 'bfloat16'\\]"):
         build_model(get_model("qwen3-tiny"), ParallelConfig(), device="cpu", dtype="float16")
+
+
+@pytest.mark.slow
+def test_one_process_compiles_its_blocks_as_a_sharded_one_does():
+    arch = get_model("qwen3-tiny")
+    compiled, _ = build_model(
+        arch, ParallelConfig(compile=True, activation_checkpoint="selective"), device="cpu", dtype="bfloat16", seed=2
+    )
+    eager, _ = build_model(arch, ParallelConfig(), device="cpu", dtype="bfloat16", seed=2)
+    tokens = torch.randint(0, arch.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    ours = token_logprobs(forward_logits(compiled, tokens), tokens)
+    ours.sum().backward()
+    assert (ours - token_logprobs(forward_logits(eager, tokens), tokens)).abs().max().item() < 0.02
+    assert all(p.grad is not None for p in compiled.parameters())
