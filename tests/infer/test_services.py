@@ -155,6 +155,37 @@ def test_prompts_written_after_a_version_was_announced_are_generated_by_that_ver
     assert generated_by == {row: {versions[row // per_version]} for row in range(len(versions) * per_version)}
 
 
+def test_in_waves_the_same_rows_generate_the_same_tokens_and_logprobs_bit_for_bit(client, unique):
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, ARCH.vocab_size, (int(n),), generator=g) for n in torch.randint(2, 12, (40,), generator=g)
+    ]
+    config = dict(max_in_flight=16, max_new_tokens=12, context_length=128, temperature=1.0, seed=5, waves=True)
+
+    def generate() -> dict[int, tuple[list[int], list[float]]]:
+        name = table(client, unique)
+        client.put(name, list(range(len(prompts))), {cols.PROMPT_IDS: prompts})
+        service_config = InferenceServiceConfig(table=name, weights_stream=unique("weights"), **config)
+
+        async def serve():
+            e = engine(max_running=16)
+            try:
+                await InferenceService(client, e, service_config).run(max_rows=len(prompts))
+            finally:
+                await e.close()
+
+        asyncio.run(serve())
+        batch = client.lease(name, "check", CHECK, count=len(prompts), timeout=5)
+        columns = zip(batch.columns[cols.RESPONSE_IDS], batch.columns[cols.ROLLOUT_LOGPROBS], strict=True)
+        return {
+            row: (ids.tolist(), logprobs.tolist()) for row, (ids, logprobs) in zip(batch.row_ids, columns, strict=True)
+        }
+
+    first, second = generate(), generate()
+    assert first == second
+    assert len({len(ids) for ids, _ in first.values()}) > 1, "requests of several lengths finish at several steps"
+
+
 def test_teacher_writes_top_k_at_every_response_position(client, unique):
     name = table(client, unique)
     client.put(name, [0, 1], {cols.PROMPT_IDS: [torch.tensor([5, 6, 7]), torch.tensor([9])]})

@@ -242,9 +242,11 @@ def test_the_same_recipe_and_seed_replay_the_same_rewards_in_lock_step(tmp_path)
         )
         recipe.write_text(text)  # a reward of every sampled token: equal rewards mean equal samples
         runs.append(check_run(run(recipe), 0, steps=6))
-    first, second = ([(m["version"], m["row_ids"], m["reward_mean"]) for m in metrics] for metrics in runs)
-    assert first == second
-    assert len({reward for _, _, reward in first}) > 1, "rewards that vary, so equality means something"
+    first, second = (
+        [(m["version"], m["row_ids"], m["reward_mean"], m["loss"], m["grad_norm"]) for m in metrics] for metrics in runs
+    )
+    assert first == second  # equal losses and gradient norms: the same rows trained in the same order
+    assert len({reward for _, _, reward, _, _ in first}) > 1, "rewards that vary, so equality means something"
 
 
 def test_a_killed_ppo_run_resumes_its_critic_from_the_checkpoint_of_the_policy_version(tmp_path):

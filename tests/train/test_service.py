@@ -84,6 +84,21 @@ def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, uniq
     assert service.train_version()["rows_trained"] == 4 and trainer.steps == 1
 
 
+def test_the_same_groups_train_the_same_weights_whatever_order_they_became_ready(client, unique, tmp_path):
+    weights = []
+    for name, ready in (("forward", range(8)), ("shuffled", [5, 0, 7, 2, 6, 1, 4, 3])):
+        table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+        for group in ready:  # each group's rows depend only on its seed; the order only on `ready`
+            put_groups(client, table, range(group, group + 1), 2, ARCH.vocab_size, seed=group)
+        model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+        config = TrainServiceConfig(table=table, groups_per_rank=8, batch_timeout_s=5)
+        trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+        service = TrainingService(client, trainer, DirectoryPublisher(tmp_path / name, ARCH, dtype="float32"), config)
+        assert service.train_version()["rows_trained"] == 16
+        weights.append(model.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "bit-identical weights"
+
+
 def test_a_non_finite_loss_is_skipped_and_counted():
     model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none"))

@@ -229,12 +229,15 @@ class TrainingService:
 
     # ---- rows -> batches ----------------------------------------------------------------------
     def _rows(self, batch: Batch | None) -> tuple[list[dict], list[dict], Counter]:
-        """Validated rows with their trainable-token mask; dropped rows with reasons; staleness counts."""
+        """Validated rows with their trainable-token mask; dropped rows with reasons; staleness counts.
+
+        Rows come in row-id order, not in the order their groups became ready: the loss sums over rows
+        in this order, and float sums depend on it, so the same rows must give the same step run to run."""
         rows, dropped, staleness = [], [], Counter()
         if batch is None:
             return rows, dropped, staleness
         c = batch.columns
-        for i, row_id in enumerate(batch.row_ids):
+        for i, row_id in sorted(enumerate(batch.row_ids), key=lambda item: item[1]):
             response = c[cols.RESPONSE_IDS][i]
             n = len(response)
             per_token = {k: c[k][i] for k in (cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.ADVANTAGE)}

@@ -67,6 +67,8 @@ class InferenceRole:
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=ctx.recipe.seed * 1000 + ctx.slot.index,
+            # Lock-step with the pure-torch engine replays token for token when batches do not hang on timing.
+            waves=ctx.recipe.algorithm.window == 1 and sampling.engine == "torch",
         )
         service = InferenceService(ctx.client, engine, config)
         stop = asyncio.Event()
