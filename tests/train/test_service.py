@@ -90,7 +90,7 @@ def test_the_same_groups_train_the_same_weights_whatever_order_they_became_ready
         table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
         for group in ready:  # each group's rows depend only on its seed; the order only on `ready`
             put_groups(client, table, range(group, group + 1), 2, ARCH.vocab_size, seed=group)
-        model, _ = build_model(ARCH, ParallelConfig(), seed=0)
+        model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
         config = TrainServiceConfig(table=table, groups_per_rank=8, batch_timeout_s=5)
         trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
         service = TrainingService(client, trainer, DirectoryPublisher(tmp_path / name, ARCH, dtype="float32"), config)
