@@ -1,3 +1,4 @@
+import json
 import re
 import subprocess
 import sys
@@ -77,3 +78,15 @@ def test_meshy_check_names_what_is_wrong(tmp_path):
         [sys.executable, "-m", "meshy.recipes.cli", "check", "no-such"], capture_output=True, text=True
     )
     assert "'no-such' is neither a file nor a shipped recipe" in missing.stderr
+
+
+def test_meshy_inspect_reports_what_each_process_kept_on_its_gpu_after_handing_it_over(tmp_path):
+    from meshy.recipes.inspect_run import report
+
+    (tmp_path / "records").mkdir()
+    released = [{"kind": "released", "time": 1.0, "allocated": 0, "reserved": r << 20} for r in (2, 6, 4)]
+    (tmp_path / "records" / "training-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in released))
+    (tmp_path / "records" / "rollout-0.jsonl").write_text(json.dumps({"kind": "start", "time": 0.0}) + "\n")
+    text = report(tmp_path)
+    assert "training-0: handed its GPU over 3 times, keeping at most 6 MiB reserved" in text
+    assert "rollout-0: handed" not in text

@@ -55,6 +55,13 @@ def report(run_dir: str | Path) -> str:
             f"ring {ring}: {len(seqs)} grants {dict(holders)}  gaps {audit.gaps}  duplicates {audit.duplicates}"
             f"  reordered {audit.reordered}"
         )
+    for path in sorted((run_dir / "records").glob("*.jsonl")):
+        released = [r for r in _lines(path) if r["kind"] == "released"]
+        if released:
+            most = max(r["reserved"] for r in released) / 2**20
+            out.append(
+                f"{path.stem}: handed its GPU over {len(released)} times, keeping at most {most:.0f} MiB reserved"
+            )
     histogram: Counter = Counter()
     for m in metrics:
         histogram.update(m.get("staleness_histogram", {}))
