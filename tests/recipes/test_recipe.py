@@ -57,6 +57,10 @@ def test_the_embedded_default_loads_and_resolves():
             "prompts_per_step: 3 groups do not split evenly over 2 training processes",
         ),
         (lambda t: t + '\n[[roles.custom]]\nname = "training"\ncls = "x:Y"\n', "custom role name 'training'"),
+        (
+            lambda t: t.replace("[algorithm.loss]", "[algorithm.loss]\nkl_coef = 0.05"),
+            "algorithm.loss.kl_coef: KL to a reference policy needs a role that writes ref_logprobs",
+        ),
         (lambda t: t.replace("max_new_tokens = 3", "max_new_tokens = 0"), "max_new_tokens, max_in_flight >= 1"),
         (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
         (lambda t: t + '\n[[roles.custom]]\ncls = "x:Y"\n', "recipe.roles.custom[0]: missing field 'name'"),
@@ -138,7 +142,7 @@ def test_a_device_sharing_group_that_cannot_work_is_refused(tmp_path, text, need
 
 def test_sections_reuse_the_components_configs():
     recipe = load_recipe()
-    assert dataclasses.asdict(recipe.algorithm.optim)["lr"] == 5e-4
+    assert dataclasses.asdict(recipe.algorithm.optim)["lr"] == 3e-4
     assert recipe.algorithm.loss.tis == "none"
 
 

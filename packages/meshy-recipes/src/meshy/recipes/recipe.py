@@ -256,6 +256,11 @@ class Recipe:
             raise SchemaError('algorithm.kind: "ppo" trains a learned critic; add a [roles.critic] section')
         if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
             raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
+        if self.algorithm.loss.kl_coef:  # nothing writes ref_logprobs: training would wait for them forever
+            raise SchemaError(
+                "algorithm.loss.kl_coef: KL to a reference policy needs a role that writes ref_logprobs, and no "
+                "role does yet; expected 0"
+            )
         if self.algorithm.overlong_buffer > self.sampling.max_new_tokens:
             raise SchemaError(
                 f"algorithm.overlong_buffer: expected <= sampling.max_new_tokens ({self.sampling.max_new_tokens}), "
