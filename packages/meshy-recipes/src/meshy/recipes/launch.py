@@ -1,4 +1,4 @@
-"""The per-rank entrypoint: `torchrun ... -m meshy.recipes.launch RECIPE` (what `meshy run` starts).
+"""What every rank runs (started by `meshy.recipes.rank`, torchrun's entry module, once it dies with its agent).
 
 Every rank loads the same recipe and computes the same topology; rank 0 also hosts the data plane
 and publishes its endpoints in torchrun's TCPStore. Each role process then joins its own role's
