@@ -6,6 +6,18 @@ import pytest
 from meshy.dataplane import DataPlaneClient, DataPlaneConfig, DataPlaneServer, new_secret
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n auto` schedules by work stealing: an idle worker takes half of a busy one's queue. xdist's
+    default ("load") hands out tests in chunks, and once gave one worker every end-to-end run (half the
+    tier's time) while the other sat idle for four minutes. An explicit other --dist is kept."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def secret() -> bytes:
     return new_secret()

@@ -141,16 +141,21 @@ def test_unauthenticated_bytes_never_reach_server_code(dataplane, tmp_path):
     ctx = zmq.Context()
     targets = [dataplane.endpoints.controller["ports"]["request_handle_socket"]]
     targets += [unit["ports"]["put_get_socket"] for unit in dataplane.endpoints.storage]
+    sent = {}
     try:
-        for port in targets:
-            sock = ctx.socket(zmq.DEALER)
+        for port in targets:  # every port gets the payload first, then a second to answer (together, not in turn)
+            sock = sent[port] = ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.identity = b"TQ_STORAGE_attacker"  # even with the identity storage units expect
             sock.connect(format_zmq_address("127.0.0.1", port))
             sock.send_multipart([bytes(f) for f in frames])
-            assert not sock.poll(1000), f"port {port} answered an unauthenticated peer"
-            sock.close()
+        deadline = time.monotonic() + 1.0
+        for port, sock in sent.items():
+            wait_ms = max(0, round((deadline - time.monotonic()) * 1000))
+            assert not sock.poll(wait_ms), f"port {port} answered an unauthenticated peer"
     finally:
+        for sock in sent.values():
+            sock.close()
         ctx.term()
     assert not marker.exists()
 

@@ -86,20 +86,44 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def start_time(pid: int) -> str | None:
+    """When `pid` started (clock ticks since boot), or None once it has exited (a zombie has exited too:
+    only its parent has yet to reap it, and an orphan's reaper may never do so in a container)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def run_processes(run_dir) -> list[int]:
+    """Every process of a one-rank-per-role run: the role processes and the data-plane servers."""
+    pids = [victim_pid(run_dir, name) for name in ("training-0", "inference-0", "rollout-0")]
+    (start,) = [r for r in records(run_dir, "training-0") if r["kind"] == "start"]
+    servers = start["dataplane"]
+    return [*pids, servers["launcher"], servers["controller"], *servers["storage"]]
+
+
 def test_killing_torchrun_takes_every_process_of_the_run_with_it(tmp_path):
-    recipe = small_recipe(tmp_path, "1", steps=200)
+    recipe = small_recipe(tmp_path, "1", steps=1_000_000)  # a run that cannot end by itself meanwhile
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     meshy = subprocess.Popen([*COMMAND, str(recipe)], env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    started: dict[int, str | None] = {}
     try:
         run_dir = wait_for_version(meshy, tmp_path, 1)
         (agent,) = children(meshy.pid)
-        pids = [victim_pid(run_dir, name) for name in ("training-0", "inference-0", "rollout-0", "dataplane")]
+        started = {pid: start_time(pid) for pid in run_processes(run_dir)}
+        assert None not in started.values(), started
         os.kill(agent, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        while time.monotonic() < deadline and any(start_time(p) == s for p, s in started.items()):
             time.sleep(0.1)
-        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        alive = [pid for pid, at in started.items() if start_time(pid) == at]
         assert not alive, f"processes left running after torchrun was killed: {alive}"
     finally:
         kill_tree(meshy.pid)
+        for pid, at in started.items():  # a failed run leaves orphans no longer under meshy: kill them by pid
+            if start_time(pid) == at:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         meshy.wait()

@@ -118,13 +118,18 @@ TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_tokenizer_matches_transformers_reading_the_gguf_and_round_trips(tokenizer, text):
+@pytest.fixture(scope="module")
+def reference_tokenizer():
+    """transformers' own tokenizer, read from the same GGUF file (reading it takes seconds: read once)."""
     transformers = pytest.importorskip("transformers")
     path = pretrained._gguf_file(*pretrained._packaged(SMOLLM2_INSTRUCT))
-    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_matches_transformers_reading_the_gguf_and_round_trips(tokenizer, reference_tokenizer, text):
     ids = tokenizer.encode(text)
-    assert ids == reference.encode(text, add_special_tokens=False)
+    assert ids == reference_tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ids) == text
 
 

@@ -44,7 +44,7 @@ def run(recipe_path: str | None, resume: str | None = None) -> int:
         "--standalone",
         f"--nproc-per-node={recipe.world_size}",
         "-m",
-        "meshy.recipes.launch",
+        "meshy.recipes.rank",
         str((directory / RECIPE_FILE).resolve()),
     ]
     code = subprocess.run(command, env=env).returncode
