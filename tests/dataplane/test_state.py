@@ -300,3 +300,23 @@ def test_audit_classifies_gaps_duplicates_and_reordering():
     for s in range(1, 100):
         clean.observe(s)
     assert clean.clean and clean.next_expected == 100
+
+
+def test_waiting_says_what_each_task_waits_for_and_who_holds_its_rows():
+    t = table(group_size=2)
+    t.declare_task("reward", ["response"], whole_groups=False)
+    t.declare_task("train", ["response", "reward"], whole_groups=True)
+    put(t, [0, 1, 2, 3], ["prompt"], groups=[0, 0, 1, 1])
+    put(t, [0, 1, 2], ["response"], new=False)
+    held = t.lease("reward", "judge0", 2, 1, lease_s=60.0, now=5.0, lease_id=next(_lease_ids))
+    assert held.row_ids == [0, 1]
+    put(t, [2], ["reward"], new=False)
+    report = t.waiting(now=35.0)
+    assert report["reward"] == {
+        "columns": ["response"],
+        "ready": 1,  # row 2 (its reward was written, but the task never acked it); row 3 has no response
+        "leases": [{"consumer": "judge0", "rows": 2, "held_s": 30.0}],
+        "missing": {"response": 1},
+    }
+    assert report["train"]["missing"] == {"reward": 2, "the rest of its group": 1, "response, reward": 1}
+    assert report["train"]["ready"] == 0 and report["train"]["leases"] == []

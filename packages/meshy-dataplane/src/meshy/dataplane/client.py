@@ -373,6 +373,10 @@ class DataPlaneClient:
     def table_stats(self, table: str) -> dict:
         return self._call("table_stats", {"table": table})
 
+    def table_waiting(self, table: str) -> dict:
+        """Per task: units ready, leases held (consumer, rows, seconds held), rows missing which columns."""
+        return self._call("table_waiting", {"table": table})
+
     # ---- control streams ----------------------------------------------------------------------
     def append(self, stream: str, payload: Any) -> int:
         """Append one message (any msgpack-able value); returns its sequence number."""

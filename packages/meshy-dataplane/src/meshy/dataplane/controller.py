@@ -403,6 +403,9 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
     def _op_table_stats(self, args: dict, identity: Any, request_id: int) -> dict:
         return self._table(args["table"]).stats()
 
+    def _op_table_waiting(self, args: dict, identity: Any, request_id: int) -> dict:
+        return self._table(args["table"]).waiting(time.monotonic())
+
     # ---- operations: control streams ----------------------------------------------------------
     def _op_append(self, args: dict, identity: Any, request_id: int) -> int:
         stream = self._stream(args["stream"])

@@ -38,6 +38,7 @@ class Lease:
     consumer: str
     units: set[int]
     deadline: float
+    granted: float
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ class TableState:
             del task.ready[unit]
             task.leased[unit] = lease_id
         deadline = now + lease_s
-        self.leases[lease_id] = Lease(lease_id, task_name, consumer, set(units), deadline)
+        self.leases[lease_id] = Lease(lease_id, task_name, consumer, set(units), deadline, granted=now)
         heapq.heappush(self._expiry, (deadline, lease_id))
         row_ids = [r for g in units for r in self.groups[g]] if task.whole_groups else units
         rows = [self.rows[r] for r in row_ids]
@@ -323,6 +324,29 @@ class TableState:
 
     def next_deadline(self) -> float | None:
         return self._expiry[0][0] if self._expiry else None
+
+    def waiting(self, now: float) -> dict:
+        """Where each task's rows are: how many units (rows, or whole groups) are ready, who holds leases
+        (consumer, rows, seconds since granted), and how many rows not yet given to it miss which columns
+        (for a whole-groups task, a complete row waits for "the rest of its group")."""
+        report = {}
+        for name, task in self.tasks.items():
+            missing: dict[str, int] = {}
+            for r, row in self.rows.items():
+                unit = row.group if task.whole_groups else r
+                if name in row.done or unit in task.ready or unit in task.leased:
+                    continue
+                absent = ", ".join(c for c in task.columns if c not in row.keys) or "the rest of its group"
+                missing[absent] = missing.get(absent, 0) + 1
+            size = self.spec.group_size if task.whole_groups else 1
+            leases = [
+                {"consumer": lease.consumer, "rows": len(lease.units) * size, "held_s": round(now - lease.granted, 1)}
+                for lease in self.leases.values()
+                if lease.task == name
+            ]
+            report[name] = {"columns": list(task.columns), "ready": len(task.ready) * size, "leases": leases}
+            report[name]["missing"] = missing
+        return report
 
     def stats(self) -> dict:
         return {

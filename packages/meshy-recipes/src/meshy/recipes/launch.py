@@ -23,6 +23,7 @@ from meshy.recipes.context import RoleContext, announce_stop, rollout_table
 from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.topology import Slot, assign
+from meshy.recipes.watchdog import Watchdog
 from meshy.train.parallel import init_process_group
 
 RUN_DIR_ENV = "MESHY_RUN_DIR"
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     ctx = RoleContext(recipe, slot, directory, client)
     ctx.record("start", rank=rank, pid=os.getpid(), dataplane=server.pids if server is not None else None)
+    watchdog = Watchdog(client, ctx.table, directory, recipe.stall_after_s) if server is not None else None
+    if watchdog is not None:
+        watchdog.start()
     failed = False
     try:
         cls = role_class(recipe, slot)
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.suppress(DataPlaneError):  # the data plane may be what failed
             announce_stop(client, f"{slot.role} process {slot.index} failed")
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         store.add(DONE_KEY, 1)
         if server is not None:
             deadline = time.monotonic() + 120

@@ -227,7 +227,9 @@ class Recipe:
     """steps: weights versions to train. colocate: groups of roles that share devices by taking turns,
     through a GPU token ring (e.g. [["training", "inference"]]). share_devices: groups of roles that
     share devices at the same time, each within its `memory_fraction` of every GPU (their fractions
-    add up to at most 1). publish: how weights reach inference. extra_columns: columns added to the
+    add up to at most 1). stall_after_s: a run in which no rows move and no version is published for
+    this long prints what every task waits for and stops (meshy.recipes.watchdog). publish: how
+    weights reach inference. extra_columns: columns added to the
     rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
 
     name: str
@@ -235,6 +237,7 @@ class Recipe:
     seed: int = 0
     run_dir: str = "runs"
     checkpoint_every: int = 0
+    stall_after_s: float = 300.0
     publish: Literal["disk", "shared-memory"] = "disk"
     colocate: tuple[tuple[str, ...], ...] = ()
     share_devices: tuple[tuple[str, ...], ...] = ()
@@ -250,6 +253,8 @@ class Recipe:
         check_fields(self)
         if self.steps < 1 or self.checkpoint_every < 0:
             raise SchemaError(f"steps >= 1 and checkpoint_every >= 0, got {self.steps}, {self.checkpoint_every}")
+        if not 0 < self.stall_after_s < math.inf:
+            raise SchemaError(f"stall_after_s: expected a finite number of seconds > 0, got {self.stall_after_s}")
         roles = dict(self.roles.items())
         kind = self.algorithm.kind
         if kind == "ppo" and "critic" not in roles:

@@ -13,6 +13,7 @@ from meshy.dataplane.server import new_secret
 from meshy.recipes.launch import RUN_DIR_ENV
 from meshy.recipes.recipe import DEFAULT_RECIPE, Recipe, load_recipe
 from meshy.recipes.topology import assign
+from meshy.recipes.watchdog import STALL_REPORT
 from meshy.train import checkpoint
 
 RECIPE_FILE = "recipe.toml"
@@ -36,6 +37,7 @@ def run(recipe_path: str | None, resume: str | None = None) -> int:
         f"({', '.join(f'{n} x{s.processes}' for n, s in recipe.roles.items())}), run directory {directory}",
         flush=True,
     )
+    (directory / "logs" / STALL_REPORT).unlink(missing_ok=True)  # a resumed run's own stall, if any, only
     env = {**os.environ, SECRET_ENV: new_secret().hex(), RUN_DIR_ENV: str(directory.resolve())}
     command = [
         sys.executable,
@@ -58,8 +60,10 @@ def stopped_report(recipe: Recipe, directory: Path, code: int) -> str:
     ranks = ", ".join(f"{slot.rank} {slot.role}-{slot.index}" for slot in assign(recipe, recipe.world_size).values())
     newest = checkpoint.latest(directory / "checkpoints")
     since = f"its newest checkpoint, {newest.name}" if newest is not None else "the start (no checkpoint yet)"
+    stall = directory / "logs" / STALL_REPORT
+    cause = f"it stalled (what each task waited for: {stall}); " if stall.is_file() else ""
     return (
-        f"meshy: run {directory} stopped before finishing (torchrun exit code {code}); the report above names "
-        f"the first rank that failed (ranks: {ranks}); logs in {directory / 'logs'}.\n"
+        f"meshy: run {directory} stopped before finishing (torchrun exit code {code}); {cause}the report above "
+        f"names the first rank that failed (ranks: {ranks}); logs in {directory / 'logs'}.\n"
         f"meshy: continue from {since} with: meshy run --resume {directory}"
     )
