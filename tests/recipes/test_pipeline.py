@@ -38,15 +38,19 @@ def small_recipe(tmp_path: Path, pacing: str, top: str = "", tail: str = "", ste
     return path
 
 
-def run(recipe: Path) -> Path:
-    env = {"PYTHONPATH": str(REPO)}
-    result = subprocess.run(
+def meshy_run(recipe: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`meshy run RECIPE` in a child process that can import the tests' own modules (custom roles)."""
+    return subprocess.run(
         [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe)],
         capture_output=True,
         text=True,
-        timeout=300,
-        env={**os.environ, **env},
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
+
+
+def run(recipe: Path) -> Path:
+    result = meshy_run(recipe)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     (run_dir,) = [p for p in recipe.parent.iterdir() if p.is_dir()]
     assert f"run directory: {run_dir.resolve()}" in result.stdout

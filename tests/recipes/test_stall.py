@@ -1,25 +1,16 @@
 """A run that makes no progress says what it waits for and stops, instead of waiting silently."""
 
-import os
 import re
-import subprocess
-import sys
 import time
 
-from tests.recipes.test_pipeline import REPO, small_recipe
+from tests.recipes.test_pipeline import meshy_run, small_recipe
 
 
 def test_a_run_stuck_on_a_lease_nobody_returns_reports_the_stall_and_stops_with_the_resume_command(tmp_path):
     hoarder = '\n[[roles.custom]]\nname = "hoarder"\ncls = "tests.recipes.hoarder:Hoarder"\n'
     recipe = small_recipe(tmp_path, "1", top="stall_after_s = 10\n", tail=hoarder, steps=50)
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    result = meshy_run(recipe, timeout=240)
     elapsed = time.monotonic() - start
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     report = (run_dir / "logs" / "stall.txt").read_text()
