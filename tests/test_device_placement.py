@@ -97,9 +97,9 @@ def test_the_training_service_builds_and_trains_its_batches_on_its_model_s_devic
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig())
     config = TrainServiceConfig(table=table, groups_per_rank=2, minibatches=2, batch_timeout_s=5)
     service = TrainingService(client, trainer, NoPublish(), config)
-    service.train_version()  # the optimizer's first step, outside the guard
+    service.train_batch(service.wait_for_batch())  # the optimizer's first step, outside the guard
     with no_default_device():
-        record = service.train_version()
+        record = service.train_batch(service.wait_for_batch())
     service.close()
     assert record["rows_trained"] == 4 and record["rows_dropped"] == 0
 

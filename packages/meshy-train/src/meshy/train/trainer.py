@@ -6,7 +6,7 @@ whose loss or gradient norm is not finite on any rank is skipped on every rank a
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -111,7 +111,6 @@ class PolicyBatch:
     ref_logprobs: torch.Tensor | None = None
     teacher_topk_ids: torch.Tensor | None = None  # [B, T-1, k]
     teacher_topk_logprobs: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def reduce_over_ranks(value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
