@@ -191,7 +191,6 @@ def test_kl_to_the_reference_policy_starts_at_zero_and_grows_as_the_policy_moves
     scored = records(run_dir, "reference-0")[-1]
     assert scored["rows"] >= STEPS * GROUPS * GROUP and scored["unscored"] == 0 and scored["version"] == 0
     kl = [m["kl"] for m in metrics]
-    print("kl per version:", kl)
     assert all(math.isfinite(k) for k in kl), kl
     assert abs(kl[0]) < 1e-9, f"version 1 trains the reference's own weights: no KL to it, got {kl}"
     assert all(k > 1e-6 for k in kl[1:]), f"each update moves the policy away from the reference: {kl}"
