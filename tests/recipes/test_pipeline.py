@@ -190,6 +190,7 @@ def test_kl_to_the_reference_policy_starts_at_zero_and_grows_as_the_policy_moves
     assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), "every row had ref_logprobs"
     scored = records(run_dir, "reference-0")[-1]
     assert scored["rows"] >= STEPS * GROUPS * GROUP and scored["unscored"] == 0 and scored["version"] == 0
+    assert scored["device"] == "cpu"
     kl = [m["kl"] for m in metrics]
     assert all(math.isfinite(k) for k in kl), kl
     assert abs(kl[0]) < 1e-9, f"version 1 trains the reference's own weights: no KL to it, got {kl}"

@@ -32,4 +32,6 @@ class ReferenceRole:
         stop.set()
         await serving
         await engine.close()
-        ctx.record("reference", version=published.version, rows=service.rows, unscored=service.unscored)
+        ctx.record(
+            "reference", version=published.version, device=ctx.slot.device, rows=service.rows, unscored=service.unscored
+        )
