@@ -137,7 +137,7 @@ def step_times(args: argparse.Namespace, arch: DecoderArch, shape: Shape) -> dic
             sync()
             times["plain torch loop"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            service.train_version()
+            service.train_batch(service.wait_for_batch())
             sync()
             times["meshy training service"].append(time.perf_counter() - start)
         service.close()

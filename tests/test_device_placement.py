@@ -7,6 +7,7 @@ same device", a CUDA tensor meeting a CPU one). torch keeps the default device p
 engine's scheduler is driven on the test's own thread.
 """
 
+import asyncio
 import contextlib
 from concurrent.futures import Future
 
@@ -15,13 +16,14 @@ import torch
 
 from meshy.dataplane import rollout as cols
 from meshy.infer.engine import SamplingParams
-from meshy.infer.torch_engine import _Request, _Scheduler
+from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
+from meshy.infer.torch_engine import TorchEngine, _Request, _Scheduler
 from meshy.infer.torch_model import ModelConfig, load_model
 from meshy.train import offload
 from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model
-from meshy.train.publish import hf_tensors
+from meshy.train.publish import DirectoryPublisher, hf_tensors
 from meshy.train.service import TrainingService, TrainServiceConfig
 from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
 from tests.train.rows import put_groups
@@ -97,9 +99,9 @@ def test_the_training_service_builds_and_trains_its_batches_on_its_model_s_devic
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig())
     config = TrainServiceConfig(table=table, groups_per_rank=2, minibatches=2, batch_timeout_s=5)
     service = TrainingService(client, trainer, NoPublish(), config)
-    service.train_version()  # the optimizer's first step, outside the guard
+    service.train_batch(service.wait_for_batch())  # the optimizer's first step, outside the guard
     with no_default_device():
-        record = service.train_version()
+        record = service.train_batch(service.wait_for_batch())
     service.close()
     assert record["rows_trained"] == 4 and record["rows_dropped"] == 0
 
@@ -174,3 +176,28 @@ def test_the_torch_engine_generates_scores_releases_and_onloads_on_its_device():
     for r in requests:
         assert len(r.done.result().output_ids) == 6, r.request_id
     assert len(scores.token_logprobs) == 3 and len(scores.topk_ids[0]) == 3
+
+
+def test_the_reference_service_builds_its_columns_on_the_host(client, unique, tmp_path):
+    """The service's side of scoring: its rows' sequences, the scored and the empty columns (the engine's
+    side runs on its worker thread; the scheduler test above covers it)."""
+    table = client.create_table(cols.rollout_table(unique("rollout"))).name
+    model, _ = build_model(ARCH, ParallelConfig(), device=CPU, seed=0)
+    published = DirectoryPublisher(tmp_path, ARCH, dtype="float32").publish(model, 0)
+    prompts = [torch.tensor([1, 2, 3], device=CPU)] * 3
+    responses = [torch.tensor(r, dtype=torch.int64, device=CPU) for r in ([4, 5], [], [ARCH.vocab_size])]
+    client.put(table, [0, 1, 2], {cols.PROMPT_IDS: prompts})
+    client.add_columns(table, [0, 1, 2], {cols.RESPONSE_IDS: responses})
+    engine = TorchEngine(published, max_running=4, max_len=32, device=CPU)
+    service = ReferenceService(client, engine, ReferenceServiceConfig(table=table))
+
+    async def serve() -> int:
+        try:
+            return await service.run(max_rows=3)
+        finally:
+            await engine.close()
+
+    with no_default_device():
+        assert asyncio.run(serve()) == 3
+    batch = client.lease(table, "check", [cols.REF_LOGPROBS], count=3, timeout=5)
+    assert sorted(len(ref) for ref in batch.columns[cols.REF_LOGPROBS]) == [0, 0, 2]

@@ -1,4 +1,4 @@
-"""The inference and teacher services against a live data plane, with the pure-torch engine."""
+"""The inference, teacher and reference services against a live data plane, with the pure-torch engine."""
 
 import asyncio
 
@@ -8,8 +8,12 @@ import torch
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import Published
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
+from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
 from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
 from meshy.infer.torch_engine import TorchEngine
+from meshy.train.logprobs import forward_logits, token_logprobs
+from meshy.train.losses import kl_to_reference
+from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.publish import DirectoryPublisher
 from tests.infer.test_torch_engine import ARCH, sharp_weights
 
@@ -207,3 +211,38 @@ def test_teacher_writes_top_k_at_every_response_position(client, unique):
     assert ids.shape == (4, 4) and logprobs.shape == (4, 4)
     assert ids.tolist() == reference.topk_ids and torch.allclose(logprobs, torch.tensor(reference.topk_logprobs))
     assert batch.columns[cols.TEACHER_TOPK_IDS][c[1]].shape == (0, 4)
+
+
+def test_reference_writes_every_response_token_s_logprob_as_the_policy_it_was_published_from(client, unique, tmp_path):
+    policy, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=4)
+    published = DirectoryPublisher(tmp_path, ARCH, dtype="float32").publish(policy, 0)  # the policy's version 0
+    name = table(client, unique)
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([9]), torch.tensor([5, 6]), torch.tensor([4, 4])]
+    responses = [
+        torch.tensor([10, 11, 12, 13]),
+        torch.tensor([8, 3]),
+        torch.zeros(0, dtype=torch.int64),  # nothing to score
+        torch.tensor([4, ARCH.vocab_size + 1]),  # the engine refuses it
+    ]
+    client.put(name, [0, 1, 2, 3], {cols.PROMPT_IDS: prompts})
+    client.add_columns(name, [0, 1, 2, 3], {cols.RESPONSE_IDS: responses})
+    e = TorchEngine(published, max_running=8, max_len=128)
+    service = ReferenceService(client, e, ReferenceServiceConfig(table=name, rows_per_lease=2))
+
+    async def serve():
+        try:
+            return await service.run(max_rows=4)
+        finally:
+            await e.close()
+
+    assert asyncio.run(serve()) == 4 and service.unscored == 1
+    batch = client.lease(name, "check", [cols.REF_LOGPROBS], count=4, timeout=5)
+    ref = dict(zip(batch.row_ids, batch.columns[cols.REF_LOGPROBS], strict=True))
+    for row in (0, 1):
+        tokens = torch.cat([prompts[row], responses[row]])[None]
+        with torch.no_grad():
+            expected = token_logprobs(forward_logits(policy, tokens), tokens)[0, len(prompts[row]) - 1 :]
+        assert ref[row].dtype == torch.float32 and ref[row].shape == responses[row].shape
+        assert torch.allclose(ref[row], expected, atol=1e-5), (ref[row], expected)
+        assert kl_to_reference(expected[None], ref[row][None]).max() < 1e-8, "no KL to itself"
+    assert ref[2].shape == ref[3].shape == (0,), "rows it cannot score get no entries, so training drops them"

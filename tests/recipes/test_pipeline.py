@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -13,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshy.recipes.recipe import DEFAULT_RECIPE
+from meshy.infer.torch_engine import read_model
+from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.roles.rollout import FREE_BATCHES
+from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.publish import DirectoryPublisher, hf_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, GROUPS, GROUP = 4, 4, 4
@@ -159,10 +163,6 @@ def test_dynamic_sampling_skips_whole_uniform_groups_and_counts_them_as_dropped(
 def sharp_teacher(root: Path) -> Path:
     """A Qwen3 teacher with the student's architecture and a peaked output distribution (a scaled final
     norm), so the student starts far from it."""
-    from meshy.recipes.recipe import load_recipe
-    from meshy.train.parallel import ParallelConfig, build_model
-    from meshy.train.publish import DirectoryPublisher
-
     arch = load_recipe(DEFAULT_RECIPE).model.arch()
     model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=123)
     with torch.no_grad():
@@ -184,6 +184,26 @@ def test_online_distillation_pulls_the_student_towards_the_teacher(tmp_path):
     kl = [m["distill_kl"] for m in metrics]
     assert kl[-1] < 0.9 * kl[0], kl
     assert records(run_dir, "teacher-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
+
+
+def test_kl_to_the_reference_policy_starts_at_zero_and_grows_as_the_policy_moves(tmp_path):
+    recipe = small_recipe(tmp_path, "1", tail="\n[roles.reference]\nprocesses = 1\n")
+    recipe.write_text(recipe.read_text().replace("[algorithm.loss]\n", "[algorithm.loss]\nkl_coef = 0.1\n"))
+    run_dir = run(recipe)
+    metrics = check_run(run_dir, 0)
+    assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), "every row had ref_logprobs"
+    scored = records(run_dir, "reference-0")[-1]
+    assert scored["rows"] >= STEPS * GROUPS * GROUP and scored["unscored"] == 0 and scored["version"] == 0
+    assert scored["device"] == "cpu"
+    kl = [m["kl"] for m in metrics]
+    assert all(math.isfinite(k) for k in kl), kl
+    assert abs(kl[0]) < 1e-9, f"version 1 trains the reference's own weights: no KL to it, got {kl}"
+    assert all(k > 1e-6 for k in kl[1:]), f"each update moves the policy away from the reference: {kl}"
+    loaded = load_recipe(recipe)
+    scratch, _ = build_model(loaded.model.arch(), ParallelConfig(), device="cpu", seed=loaded.seed)
+    _, reference = read_model(run_dir / "reference" / "v000000")
+    expected = dict(hf_tensors(scratch, loaded.model.arch(), torch.float32))
+    assert reference.keys() == expected.keys() and all(torch.equal(reference[k], v) for k, v in expected.items())
 
 
 def kill_tree(root: int) -> None:

@@ -59,7 +59,21 @@ def test_the_embedded_default_loads_and_resolves():
         (lambda t: t + '\n[[roles.custom]]\nname = "training"\ncls = "x:Y"\n', "custom role name 'training'"),
         (
             lambda t: t.replace("[algorithm.loss]", "[algorithm.loss]\nkl_coef = 0.05"),
-            "algorithm.loss.kl_coef: KL to a reference policy needs a role that writes ref_logprobs",
+            "algorithm.loss.kl_coef: KL to a reference policy (0.05) needs a [roles.reference] section",
+        ),
+        (
+            lambda t: t + "\n[roles.reference]\nprocesses = 1\n",
+            "[roles.reference]: the reference role scores every response for the KL term, and "
+            "algorithm.loss.kl_coef = 0 turns it off",
+        ),
+        (
+            lambda t: with_reference(t).replace("[algorithm.loss]", "[algorithm.loss]\ntemperature = 0.7"),
+            "algorithm.loss.temperature: the reference role scores at temperature 1, so KL to it "
+            "(algorithm.loss.kl_coef) needs temperature = 1, got 0.7",
+        ),
+        (
+            lambda t: 'colocate = [["training", "reference"]]\n' + with_reference(t),
+            "colocate: role 'reference' does not take part in a GPU token ring",
         ),
         (lambda t: t.replace("max_new_tokens = 3", "max_new_tokens = 0"), "max_new_tokens, max_in_flight >= 1"),
         (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
@@ -75,6 +89,23 @@ def test_bad_recipes_get_one_error_naming_the_field(tmp_path, edit, needle):
     with pytest.raises(SchemaError) as err:
         recipe_from(tmp_path, edit(DEFAULT))
     assert needle in str(err.value)
+
+
+def with_reference(text: str) -> str:
+    """KL to the reference policy, and the role that scores it."""
+    return text.replace("[algorithm.loss]", "[algorithm.loss]\nkl_coef = 0.05") + "\n[roles.reference]\nprocesses = 1\n"
+
+
+def test_kl_to_the_reference_runs_a_reference_role_that_may_share_the_trainer_s_gpu(tmp_path):
+    recipe = recipe_from(tmp_path, with_reference(DEFAULT))
+    assert recipe.algorithm.loss.kl_coef == 0.05 and recipe.world_size == 4
+    assert [s.role for s in assign(recipe, 4).values()] == ["training", "inference", "rollout", "reference"]
+    on_gpu_0 = "processes = 1\ndevices_per_process = 1\nmemory_fraction = 0.5"
+    text = with_reference(DEFAULT).replace("[roles.training]\nprocesses = 1", f"[roles.training]\n{on_gpu_0}")
+    text = text.replace("[roles.reference]\nprocesses = 1", f"[roles.reference]\n{on_gpu_0}")
+    shared = recipe_from(tmp_path, 'share_devices = [["training", "reference"]]\n' + text)
+    devices = {s.role: s.devices for s in assign(shared, 4, gpus_per_node=1).values()}
+    assert devices == {"training": (0,), "inference": (), "rollout": (), "reference": (0,)}
 
 
 def test_topology_rejects_a_world_that_does_not_fit():

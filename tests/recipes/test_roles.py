@@ -1,11 +1,16 @@
-"""What role processes build from a recipe: the critic's initial weights, the engine's devices."""
+"""What role processes build from a recipe: the critic's initial weights, the reference's weights, the engine's
+devices."""
 
 import asyncio
 
+import pytest
 import torch
 
+from meshy.dataplane import SchemaError
+from meshy.infer.torch_engine import read_model
 from meshy.recipes.context import RoleContext
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
+from meshy.recipes.reference_weights import publish_reference, wait_for_reference
 from meshy.recipes.roles.critic import CriticRole
 from meshy.recipes.topology import assign
 from meshy.train.parallel import ParallelConfig, build_model
@@ -30,6 +35,31 @@ def test_the_critic_loads_the_policy_init_and_its_value_head_starts_at_initial_v
     assert torch.all(model.value_head.weight == 0) and torch.all(
         model.value_head.bias == recipe.algorithm.initial_value
     )
+
+
+def test_the_reference_weights_are_version_0_kept_and_announced_again_when_a_run_resumes(client, unique, tmp_path):
+    text = DEFAULT_RECIPE.read_text().replace("[algorithm.loss]", "[algorithm.loss]\nkl_coef = 0.1")
+    (tmp_path / "recipe.toml").write_text(text + "\n[roles.reference]\nprocesses = 1\n")
+    recipe = load_recipe(tmp_path / "recipe.toml")
+    slots = assign(recipe, recipe.world_size)
+    arch = recipe.model.arch()
+    initial, _ = build_model(arch, ParallelConfig(), device="cpu", seed=recipe.seed)
+    trained, _ = build_model(arch, ParallelConfig(), device="cpu", seed=recipe.seed + 1)
+    training = RoleContext(recipe, slots[0], tmp_path / "run", client)
+    reference = RoleContext(recipe, slots[3], tmp_path / "run", client)
+
+    first, resumed = unique("reference"), unique("reference")
+    publish_reference(training, initial, arch, 0, stream=first)
+    publish_reference(training, trained, arch, 5, stream=resumed)  # the trained weights are not the reference
+    announced = [wait_for_reference(reference, stream) for stream in (first, resumed)]
+    assert announced[0] == announced[1] and announced[0].version == 0
+    _, tensors = read_model(announced[0])  # verified against the announced checksum
+    expected = dict(hf_tensors(initial, arch, torch.float32))
+    assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], v) for k, v in expected.items())
+
+    (tmp_path / "run" / "reference" / "published.json").unlink()
+    with pytest.raises(SchemaError, match="resuming at version 5: no reference weights at"):
+        publish_reference(training, trained, arch, 5, stream=unique("reference"))
 
 
 def test_an_sglang_engine_is_started_on_its_role_s_own_gpus(monkeypatch, tmp_path):

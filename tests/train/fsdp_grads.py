@@ -1,5 +1,6 @@
 """torchrun body for the FSDP gradient test: each rank takes its share of one batch, loss divided by
-the batch's global token count; rank 0 saves the full gradients."""
+the batch's global token count; rank 0 saves the full gradients. Then each rank takes a policy step
+(policy gradient and KL to a reference) on its share, and rank 0 saves the step's metrics."""
 
 import sys
 
@@ -10,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, init_process_group, load_weights
+from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
 
 
 def main() -> None:
@@ -28,8 +30,12 @@ def main() -> None:
     for name, param in model.named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         grads[name] = grad
+    model.zero_grad(set_to_none=True)
+    trainer = PolicyTrainer(model, OptimConfig(), LossConfig(tis="none", kl_coef=0.1))
+    advantages, ref_logprobs = data["advantages"].chunk(world)[rank], data["ref_logprobs"].chunk(world)[rank]
+    metrics = trainer.step(PolicyBatch(tokens, mask, advantages, ref_logprobs=ref_logprobs))
     if rank == 0:
-        torch.save(grads, out)
+        torch.save({"grads": grads, "metrics": metrics}, out)
     dist.destroy_process_group()
 
 

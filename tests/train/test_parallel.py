@@ -11,19 +11,22 @@ from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, load_weights
 from meshy.train.publish import hf_tensors
+from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("model_name", ["qwen3-tiny", "minicpm5-tiny"])
-def test_two_rank_fsdp_gradients_equal_single_process_gradients(model_name, tmp_path):
+def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(model_name, tmp_path):
     arch = get_model(model_name)
     reference, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
     torch.manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (4, 9))
     mask = (torch.rand(4, 8) < 0.7).float()
+    advantages, ref_logprobs = torch.randn(4), -torch.rand(4, 8) - 1.0
     weights = dict(hf_tensors(reference, arch, torch.float32))
-    torch.save({"weights": weights, "tokens": tokens, "mask": mask}, tmp_path / "inputs.pt")
+    inputs = dict(weights=weights, tokens=tokens, mask=mask, advantages=advantages, ref_logprobs=ref_logprobs)
+    torch.save(inputs, tmp_path / "inputs.pt")
 
     logprobs = token_logprobs(forward_logits(reference, tokens), tokens)
     (-(logprobs * mask).sum() / mask.sum()).backward()
@@ -33,11 +36,18 @@ def test_two_rank_fsdp_gradients_equal_single_process_gradients(model_name, tmp_
     cmd += [str(Path(__file__).with_name("fsdp_grads.py")), model_name, str(tmp_path / "inputs.pt")]
     result = subprocess.run([*cmd, str(tmp_path / "grads.pt")], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    fsdp = torch.load(tmp_path / "grads.pt")
+    saved = torch.load(tmp_path / "grads.pt")
+    fsdp = saved["grads"]
     assert set(fsdp) == {name for name, _ in reference.named_parameters()}
     for name, param in reference.named_parameters():
         error = ((fsdp[name] - param.grad).norm() / param.grad.norm()).item()
         assert error <= 1e-6, f"{name}: relative error {error:.2e}"
+
+    one, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
+    trainer = PolicyTrainer(one, OptimConfig(), LossConfig(tis="none", kl_coef=0.1))
+    metrics = trainer.step(PolicyBatch(tokens, mask, advantages, ref_logprobs=ref_logprobs))
+    for key in ("loss", "pg_loss", "kl", "entropy"):  # global means, not rank 0's share of them
+        assert saved["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
 
 
 def test_weights_load_into_a_model_and_reproduce_it():

@@ -48,7 +48,7 @@ def test_training_service_trains_whole_groups_acks_everything_and_publishes(clie
         metrics=MetricsLog(tmp_path / "metrics.jsonl"),
     )
     service.publish_initial()
-    record = service.train_version()
+    record = service.train_batch(service.wait_for_batch())
 
     assert record["rows_trained"] + record["rows_dropped"] == 14
     reasons = sorted(d["reason"] for d in record["dropped"])
@@ -77,11 +77,11 @@ def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, uniq
     config = TrainServiceConfig(table=table, groups_per_rank=2, critic_warmup_versions=1, batch_timeout_s=5)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
     service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
-    warmup = service.train_version()
+    warmup = service.train_batch(service.wait_for_batch())
     assert warmup["rows_trained"] == 0 and [d["reason"] for d in warmup["dropped"]] == ["critic warm-up"] * 4
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert (tmp_path / "v000001").is_dir()
-    assert service.train_version()["rows_trained"] == 4 and trainer.steps == 1
+    assert service.train_batch(service.wait_for_batch())["rows_trained"] == 4 and trainer.steps == 1
 
 
 def test_the_same_groups_train_the_same_weights_whatever_order_they_became_ready(client, unique, tmp_path):
@@ -94,7 +94,7 @@ def test_the_same_groups_train_the_same_weights_whatever_order_they_became_ready
         config = TrainServiceConfig(table=table, groups_per_rank=8, batch_timeout_s=5)
         trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
         service = TrainingService(client, trainer, DirectoryPublisher(tmp_path / name, ARCH, dtype="float32"), config)
-        assert service.train_version()["rows_trained"] == 16
+        assert service.train_batch(service.wait_for_batch())["rows_trained"] == 16
         weights.append(model.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "bit-identical weights"
 

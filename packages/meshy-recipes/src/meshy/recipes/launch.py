@@ -37,6 +37,7 @@ def role_class(recipe: Recipe, slot: Slot) -> type:
         "rollout": "meshy.recipes.roles.rollout:RolloutRole",
         "critic": "meshy.recipes.roles.critic:CriticRole",
         "teacher": "meshy.recipes.roles.teacher:TeacherRole",
+        "reference": "meshy.recipes.roles.reference:ReferenceRole",
     }
     if slot.role in builtin:
         return import_object(builtin[slot.role], f"roles.{slot.role}")

@@ -22,7 +22,7 @@ from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig
 from meshy.train.trainer import LossConfig, OptimConfig
 
-BUILTIN_ROLES = ("training", "inference", "rollout", "critic", "teacher")
+BUILTIN_ROLES = ("training", "inference", "rollout", "critic", "teacher", "reference")
 RING_ROLES = ("training", "inference")  # the roles that hand devices over through a GPU token ring
 DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
 
@@ -81,11 +81,15 @@ class CustomRoleSpec:
 
 @dataclass(frozen=True)
 class RolesSpec:
+    """The run's roles. critic: PPO's learned values. teacher: online policy distillation's top-k.
+    reference: the frozen initial policy, scoring every response for KL to it (algorithm.loss.kl_coef)."""
+
     training: RoleSpec = field(default_factory=RoleSpec)
     inference: RoleSpec = field(default_factory=RoleSpec)
     rollout: RoleSpec = field(default_factory=RoleSpec)
     critic: RoleSpec | None = None
     teacher: RoleSpec | None = None
+    reference: RoleSpec | None = None
     custom: tuple[CustomRoleSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -153,7 +157,8 @@ class AlgorithmSpec:
     dynamic_sampling: rows of a group whose rewards are all equal are not trained (counted as dropped).
     overlong_buffer: DAPO soft overlong penalty over the last overlong_buffer tokens of max_new_tokens,
     falling to -overlong_factor (GRPO: added to the reward; PPO: to the advantages after GAE, tail
-    only, so the critic never learns it). 0 turns it off."""
+    only, so the critic never learns it). 0 turns it off. loss.kl_coef: KL to the frozen initial policy
+    (the weights of version 0), scored by a [roles.reference] section that the KL term needs."""
 
     kind: Literal["grpo", "ppo", "distill"] = "grpo"
     group_size: int = 8
@@ -261,11 +266,7 @@ class Recipe:
             raise SchemaError('algorithm.kind: "ppo" trains a learned critic; add a [roles.critic] section')
         if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
             raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
-        if self.algorithm.loss.kl_coef:  # nothing writes ref_logprobs: training would wait for them forever
-            raise SchemaError(
-                "algorithm.loss.kl_coef: KL to a reference policy needs a role that writes ref_logprobs, and no "
-                "role does yet; expected 0"
-            )
+        self._check_reference(roles)
         if self.algorithm.overlong_buffer > self.sampling.max_new_tokens:
             raise SchemaError(
                 f"algorithm.overlong_buffer: expected <= sampling.max_new_tokens ({self.sampling.max_new_tokens}), "
@@ -312,6 +313,27 @@ class Recipe:
                     f"share_devices: roles {list(group)} need memory_fraction set, adding up to at most 1; got "
                     f"{dict(zip(group, fractions, strict=True))}"
                 )
+
+    def _check_reference(self, roles: dict) -> None:
+        """KL to the reference policy and the role that writes its ref_logprobs come together: a KL term
+        without the role would wait for the column forever, the role without the term would score for
+        nothing."""
+        loss = self.algorithm.loss
+        if loss.kl_coef and "reference" not in roles:
+            raise SchemaError(
+                f"algorithm.loss.kl_coef: KL to a reference policy ({loss.kl_coef}) needs a [roles.reference] "
+                "section, the role that writes ref_logprobs; add one or set kl_coef = 0"
+            )
+        if "reference" in roles and not loss.kl_coef:
+            raise SchemaError(
+                "[roles.reference]: the reference role scores every response for the KL term, and "
+                "algorithm.loss.kl_coef = 0 turns it off; set kl_coef > 0 or remove the section"
+            )
+        if loss.kl_coef and loss.temperature != 1:
+            raise SchemaError(
+                f"algorithm.loss.temperature: the reference role scores at temperature 1, so KL to it "
+                f"(algorithm.loss.kl_coef) needs temperature = 1, got {loss.temperature}"
+            )
 
     @property
     def world_size(self) -> int:

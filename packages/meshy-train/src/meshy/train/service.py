@@ -124,16 +124,6 @@ class TrainingService:
         """Announce the starting weights as the current version, so engines start from the same ones."""
         return self.publisher.publish(self.trainer.model, self.version)
 
-    def run(self, versions: int) -> None:
-        for _ in range(versions):
-            self.train_version()
-
-    def train_version(self) -> dict[str, Any]:
-        """Lease, train, ack, publish version + 1. Returns this version's metrics (same on every rank)."""
-        start = time.perf_counter()
-        batch = self.wait_for_batch()
-        return self.train_batch(batch, waited=time.perf_counter() - start)
-
     def wait_for_batch(self) -> Batch | None:
         """This rank's rows for the next version (fetched while the previous version trained)."""
         batch = self._next.result() if self._next is not None else self._lease()
@@ -145,7 +135,8 @@ class TrainingService:
         return batch
 
     def train_batch(self, batch: Batch | None, waited: float = 0.0) -> dict[str, Any]:
-        """Train on a batch, ack it, publish version + 1 (what a colocated trainer does holding the devices)."""
+        """Train on a batch, ack it, publish version + 1. Returns this version's metrics (the same on every
+        rank). A colocated trainer calls it holding the devices, after `wait_for_batch` returned."""
         cfg = self.config
         rows, dropped, staleness = self._rows(batch)
         warming_up = self.version < cfg.critic_warmup_versions  # the same on every rank

@@ -1,12 +1,13 @@
 """One optimizer step of the policy: per-token logprobs, the configured loss parts, clipping, AdamW.
 
 A step's loss is normalised by a count all-reduced over data-parallel ranks (trained tokens, or
-sequences), so FSDP's summed gradients equal those of the whole global batch on one process. A step
+sequences), so FSDP's summed gradients equal those of the whole global batch on one process, and the
+metrics of its loss and loss parts (pg_loss, kl, distill_kl, the entropy bonus) are global means. A step
 whose loss or gradient norm is not finite on any rank is skipped on every rank and counted.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -111,7 +112,6 @@ class PolicyBatch:
     ref_logprobs: torch.Tensor | None = None
     teacher_topk_ids: torch.Tensor | None = None  # [B, T-1, k]
     teacher_topk_logprobs: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def reduce_over_ranks(value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -184,6 +184,7 @@ class PolicyTrainer:
         logprobs = label_logprobs(log_probs, batch.tokens)
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         metrics: dict[str, float] = {"tokens": float(local_tokens), "global_tokens": global_tokens}
+        parts: dict[str, torch.Tensor] = {}  # this rank's shares of the loss parts' global means
         token_loss = torch.zeros_like(logprobs)
         if cfg.pg_coef:
             pg, stats = ppo_clip_loss(
@@ -198,17 +199,17 @@ class PolicyTrainer:
                 )
                 pg = pg * weights
                 metrics.update(tis_stats)
-            metrics["pg_loss"] = float(aggregate(pg.detach(), batch.mask, cfg.aggregation, denominator))
+            parts["pg_loss"] = aggregate(pg.detach(), batch.mask, cfg.aggregation, denominator)
             token_loss = token_loss + cfg.pg_coef * pg
         if cfg.kl_coef:
             if batch.ref_logprobs is None:
                 raise SchemaError("PolicyBatch.ref_logprobs: required when LossConfig.kl_coef is set")
             kl = kl_to_reference(logprobs, batch.ref_logprobs)
-            metrics["kl"] = float(aggregate(kl.detach(), batch.mask, cfg.aggregation, denominator))
+            parts["kl"] = aggregate(kl.detach(), batch.mask, cfg.aggregation, denominator)
             token_loss = token_loss + cfg.kl_coef * kl
         if cfg.entropy_coef:
             entropy = entropy_from_log_probs(log_probs)
-            metrics["entropy"] = float(aggregate(entropy.detach(), batch.mask, cfg.aggregation, denominator))
+            parts["entropy"] = aggregate(entropy.detach(), batch.mask, cfg.aggregation, denominator)
             token_loss = token_loss - cfg.entropy_coef * entropy
         else:
             metrics["entropy"] = self._entropy_metric(log_probs, batch.mask)
@@ -218,7 +219,7 @@ class PolicyTrainer:
                     "PolicyBatch.teacher_topk_ids/_logprobs: required when LossConfig.distill_coef is set"
                 )
             distill = topk_forward_kl(logits, batch.teacher_topk_ids, batch.teacher_topk_logprobs)
-            metrics["distill_kl"] = float(aggregate(distill.detach(), batch.mask, cfg.aggregation, denominator))
+            parts["distill_kl"] = aggregate(distill.detach(), batch.mask, cfg.aggregation, denominator)
             token_loss = token_loss + cfg.distill_coef * distill
 
         loss = aggregate(token_loss, batch.mask, cfg.aggregation, denominator)
@@ -228,8 +229,11 @@ class PolicyTrainer:
             self.steps += 1
         else:
             self.skipped_nonfinite += 1
+        # One all-reduce turns every rank's shares into the global means, the loss's and its parts'.
+        totals = reduce_over_ranks(torch.stack([loss.detach(), *parts.values()]).float()).tolist()
+        metrics.update(zip(parts, totals[1:], strict=True))
         metrics.update(
-            loss=float(reduce_over_ranks(loss.detach().clone())),
+            loss=totals[0],
             grad_norm=grad_norm,
             lr=self.scheduler.get_last_lr()[0],
             skipped_nonfinite=float(self.skipped_nonfinite),

@@ -13,6 +13,7 @@ from meshy.recipes.colocation import join_ring, record_released
 from meshy.recipes.context import TRAIN_TASK, RoleContext, announce_stop
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
+from meshy.recipes.reference_weights import publish_reference
 from meshy.train import checkpoint, offload
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher
@@ -41,6 +42,7 @@ class TrainingRole:
             minibatches=algo.minibatches,
             max_staleness=algo.max_staleness,
             distill=algo.kind == "distill",
+            kl_to_reference=algo.loss.kl_coef > 0,
             checkpoint_every=recipe.checkpoint_every,
             critic_warmup_versions=algo.critic_warmup_versions,
             report_reward=True,
@@ -58,6 +60,8 @@ class TrainingRole:
     def run(self) -> None:
         ctx, steps = self.ctx, self.ctx.recipe.steps
         self.service.version = self._restore()
+        if ctx.recipe.roles.reference is not None:
+            publish_reference(ctx, self.trainer.model, self.arch, self.service.version)
         self.service.publish_initial()
         progress = Progress(ctx.run_dir, steps, self._metrics()) if self.lead else None
         ctx.record("train_start", version=self.service.version)

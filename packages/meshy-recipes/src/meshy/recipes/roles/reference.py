@@ -1,0 +1,37 @@
+"""The reference role: the frozen initial policy (meshy.recipes.reference_weights) scores every response
+into ref_logprobs, for the KL term of the loss (algorithm.loss.kl_coef), on the engine the recipe names
+(`sampling.engine`), like the teacher role."""
+
+import asyncio
+
+from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
+from meshy.recipes.context import RoleContext
+from meshy.recipes.engines import build_engine
+from meshy.recipes.reference_weights import wait_for_reference
+
+
+class ReferenceRole:
+    def __init__(self, ctx: RoleContext):
+        self.ctx = ctx
+
+    def run(self) -> None:
+        self.ctx.watch_for_stop()
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        ctx = self.ctx
+        published = await asyncio.to_thread(wait_for_reference, ctx)
+        if published is None:
+            return
+        engine = build_engine(ctx, published)
+        service = ReferenceService(ctx.client, engine, ReferenceServiceConfig(table=ctx.table))
+        stop = asyncio.Event()
+        serving = asyncio.create_task(service.run(stop))
+        while not ctx.stop.is_set() and not serving.done():
+            await asyncio.sleep(0.2)
+        stop.set()
+        await serving
+        await engine.close()
+        ctx.record(
+            "reference", version=published.version, device=ctx.slot.device, rows=service.rows, unscored=service.unscored
+        )
