@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from meshy.infer import sampling
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.train.models import DecoderArch, get_model
@@ -121,6 +122,26 @@ def step_bound_s(arch: DecoderArch, args: argparse.Namespace) -> float:
     return (params * width + args.batch * context * kv_per_token) / (args.bandwidth * 1e12)
 
 
+def sampler_ms(arch: DecoderArch, args: argparse.Namespace, reps: int = 20) -> float:
+    """Milliseconds the sampler takes for a full batch (logits in, tokens read back), alone."""
+    device, n = torch.device(args.device), args.batch
+    logits = torch.randn(n, arch.vocab_size, device=device, generator=torch.Generator(device).manual_seed(0))
+    rows = sampling.Rows(
+        temperature=torch.ones(n, device=device),
+        top_k=torch.full((n,), arch.vocab_size, device=device),
+        top_p=torch.ones(n, device=device),
+        seed=torch.arange(n, device=device),
+        counter=torch.zeros(n, dtype=torch.int64, device=device),
+        truncated=False,
+    )
+    sampling.sample(logits, rows)[0].tolist()
+    start = time.perf_counter()
+    for _ in range(reps):
+        tokens, logprobs = sampling.sample(logits, rows)
+        torch.stack([tokens.double(), logprobs.double()]).tolist()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
 def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]:
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[args.dtype]).to(args.device).eval()
     hf.generation_config.eos_token_id = None
@@ -153,6 +174,9 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]
             rows.append(
                 (name, kind, tokens, tokens / hf_median, tokens / engine_median, hf_median / engine_median, step)
             )
+        if args.device != "cpu":
+            print(f"{name}: decode CUDA graphs {engine.cuda_graphs}", flush=True)
+        print(f"{name}: sampling a batch of {args.batch} takes {sampler_ms(MODELS[name], args):.2f} ms", flush=True)
     finally:
         loop.run_until_complete(engine.close())
         loop.close()

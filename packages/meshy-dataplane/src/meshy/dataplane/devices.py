@@ -6,8 +6,6 @@ moving tensors off a GPU returns their blocks to torch's caching allocator, whic
 for this process until they are emptied, so the next holder could not use them.
 """
 
-import gc
-
 import torch
 
 HOST = torch.device("cpu")
@@ -18,7 +16,6 @@ def free_cached(device: torch.device) -> None:
     allocator's free blocks and the cuBLAS workspaces (32 MiB per handle on Hopper)."""
     if device.type != "cuda":
         return
-    gc.collect()  # tensors kept alive only by reference cycles (autograd graphs of failed steps)
     torch.cuda.synchronize(device)
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
