@@ -52,7 +52,7 @@ def recipe(directory: Path, pacing: str, args: argparse.Namespace) -> Path:
                 f"[roles.{role}]\nprocesses = 1\ndevices_per_process = 1\nmemory_fraction = {fraction:.2f}",
             )
         text += '\n[algorithm.parallel]\nactivation_checkpoint = "full"\n'
-        text = text.replace("pacing = ", f"minibatches = {args.minibatches}\npacing = ")
+        text = re.sub(r"^pacing = ", f"minibatches = {args.minibatches}\npacing = ", text, count=1, flags=re.M)
         text = text.replace("[sampling]", f"[sampling]\ncontext_length = {args.max_new_tokens + 16}")
     path = directory / "recipe.toml"
     path.write_text(text)
