@@ -37,7 +37,8 @@ from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrai
 
 RATIO_LOW, RATIO_HIGH = 0.8, 1.25
 HEADER = (
-    "| condition | replay | tokens | routing differs | std log ratio | max abs log ratio | ratio outside [0.8, 1.25] |"
+    "| model | condition | replay | tokens | routing differs | std log ratio | max abs log ratio "
+    "| ratio outside [0.8, 1.25] |"
 )
 
 
@@ -53,6 +54,7 @@ class Samples:
 
 @dataclass
 class Spread:
+    model: str  # name, layers x experts / top-k, dtype
     condition: str
     replay: bool
     tokens: int
@@ -64,8 +66,8 @@ class Spread:
     def row(self) -> str:
         differs = "-" if self.replay else f"{100 * self.routing_differs:.2f}%"
         return (
-            f"| {self.condition} | {'yes' if self.replay else 'no'} | {self.tokens} | {differs} | {self.std:.2e} | "
-            f"{self.max_abs:.2e} | {100 * self.outside:.2f}% |"
+            f"| {self.model} | {self.condition} | {'yes' if self.replay else 'no'} | {self.tokens} | {differs} "
+            f"| {self.std:.2e} | {self.max_abs:.2e} | {100 * self.outside:.2f}% |"
         )
 
 
@@ -117,8 +119,14 @@ async def generate(args: argparse.Namespace, model: torch.nn.Module) -> Samples:
     return Samples(tokens.to(to), mask.to(to), logprobs.to(to), routed.to(to))
 
 
+def describe(args: argparse.Namespace) -> str:
+    arch = architecture(args)
+    shape = f"{arch.num_hidden_layers}L {arch.num_experts}E top{arch.num_experts_per_tok}"
+    return f"{args.model} {shape} {args.dtype}"
+
+
 @torch.no_grad()
-def measure(model: torch.nn.Module, samples: Samples, condition: str, replay: bool) -> Spread:
+def measure(model: torch.nn.Module, samples: Samples, name: str, condition: str, replay: bool) -> Spread:
     chosen: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda _m, _i, out: chosen.append(out[1])) for r in replay_routers(model)]
     try:
@@ -134,6 +142,7 @@ def measure(model: torch.nn.Module, samples: Samples, condition: str, replay: bo
     differs = (trainer_sets != engine_sets).any(dim=-1).double().mean().item()
     ratio = log_ratio.exp()
     return Spread(
+        model=name,
         condition=condition,
         replay=replay,
         tokens=int(response.sum()),
@@ -157,9 +166,10 @@ def run(args: argparse.Namespace) -> list[Spread]:
     torch.manual_seed(args.seed)
     model = sharpened_model(args)
     samples = asyncio.run(generate(args, model))
-    spreads = [measure(model, samples, "same weights", replay) for replay in (False, True)]
+    name = describe(args)
+    spreads = [measure(model, samples, name, "same weights", replay) for replay in (False, True)]
     drift(model, samples, args)
-    spreads += [measure(model, samples, f"after one step (lr {args.lr:g})", replay) for replay in (False, True)]
+    spreads += [measure(model, samples, name, f"after one step (lr {args.lr:g})", replay) for replay in (False, True)]
     return spreads
 
 
@@ -193,7 +203,7 @@ def main() -> None:
         f"seed {args.seed}, {args.device}"
     )
     print(HEADER)
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for spread in spreads:
         print(spread.row())
     if args.json is not None:

@@ -37,9 +37,14 @@ def forward(model: torch.nn.Module, inputs: torch.Tensor, experts: torch.Tensor 
     finally:
         for hook in hooks:
             hook.remove()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.clone() for name, p in parameters(model).items() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return logits.detach(), torch.stack(chosen, dim=2), grads
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """By name, with or without activation checkpointing's wrappers."""
+    return {name.replace("._checkpoint_wrapped_module", ""): p for name, p in model.named_parameters()}
 
 
 def test_replaying_the_router_s_own_choice_is_the_free_forward_bit_for_bit():
@@ -87,6 +92,24 @@ def test_only_the_positions_given_experts_are_replayed():
     assert torch.equal(replayed[:, :6], free[:, :6]), "a causal model: positions before 6 see no replayed token"
     assert torch.equal(used[:, :6], chosen[:, :6]) and torch.equal(used[:, 6:], experts[:, 6:])
     assert (replayed[:, 6:] - free[:, 6:]).abs().amax(dim=-1).min().item() > 0
+
+
+def test_activation_checkpointing_recomputes_the_replayed_routing_in_the_backward():
+    """Under full checkpointing each block's forward runs again during the backward: the step keeps the
+    replay in force until its backward is done, so the gradients are those of the replayed forward (a
+    backward after the replay ended would recompute another forward, which checkpointing refuses)."""
+    inputs = tokens(seed=3)
+    plain, _ = build_model(MOE, ParallelConfig(), device=CPU, seed=3)
+    experts = (forward(plain, inputs)[1] + 1) % MOE.num_experts  # not what the routers would choose
+    logits, _, grads = forward(plain, inputs, experts)
+    checkpointed, _ = build_model(MOE, ParallelConfig(activation_checkpoint="full"), device=CPU, seed=3)
+    checkpointed_logits, _, checkpointed_grads = forward(checkpointed, inputs, experts)
+    assert torch.equal(checkpointed_logits, logits)
+    assert all(torch.allclose(checkpointed_grads[k], grads[k], rtol=1e-4, atol=1e-6) for k in grads)
+    with replay_routing(checkpointed, experts):
+        out = checkpointed(inputs)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different number of tensors"):
+        out.float().sum().backward()
 
 
 def test_replay_refuses_a_dense_model_and_experts_of_the_wrong_shape():
