@@ -171,11 +171,12 @@ def load_bench():
 
 
 def test_replay_narrows_the_importance_ratio_after_a_policy_step():
-    """bench/routing_replay.py, small: TorchEngine samples and records routing; after one optimizer step
-    the trainer's free routing differs from the engine's on some tokens, and replaying the engine's
-    routing strictly narrows the spread of exp(trainer logprob - engine logprob)."""
+    """bench/routing_replay.py, small (8 experts, top 2: more tokens near a tie between experts): TorchEngine
+    samples and records routing; after one optimizer step the trainer's free routing differs from the
+    engine's on some tokens, and replaying the engine's routing strictly narrows the spread of
+    exp(trainer logprob - engine logprob)."""
     bench = load_bench()
-    args = bench.arguments(["--prompts", "16", "--response", "16"])
+    args = bench.arguments(["--experts", "8", "--top-k", "2", "--prompts", "16", "--response", "16"])
     same_free, same_replay, drift_free, drift_replay = bench.run(args)
     assert same_replay.std <= same_free.std and same_replay.max_abs <= same_free.max_abs
     assert drift_free.routing_differs > 0, "the step moved some tokens to other experts"
