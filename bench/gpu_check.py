@@ -13,6 +13,8 @@ fails or runs out of time is reported and the next one runs):
   ring-0.6b         a qwen3-0.6b-shaped run through the ring: bfloat16, activation checkpointing,
                     release/onload at a real size (what each process still holds after releasing)
   async-speedup     bench/async_speedup.py: W=1 vs W=none with training and inference sharing the GPU
+  routing-replay    bench/routing_replay.py: the importance ratio's spread with and without routing replay,
+                    bfloat16, on a 32-expert tiny MoE and on a 4-layer qwen3-30b-a3b (128 experts, top 8)
 After every stage DIR holds summary.md and summary.json (figures and the tables the benches printed)
 and stages.log (every stage's whole output), so a check cut short still reports what it did.
 """
@@ -131,6 +133,9 @@ def stages(args: argparse.Namespace) -> list[Stage]:
     asynchronous = ["--modes", "W=1", "W=none", "--steps", "2", "--max-new-tokens", "8", "--prompts-per-step", "4"]
     if gpu:
         asynchronous = ["--gpu", "--modes", "W=1", "W=none", "--steps", "8", "--max-new-tokens", "256"]
+    replay = [["--experts", "32", "--top-k", "4", "--prompts", "8", "--response", "8"]]
+    if gpu:
+        replay = [["--experts", "32", "--top-k", "4"], ["--model", "qwen3-30b-a3b", "--layers", "4", "--sharpen", "1"]]
     bench = [sys.executable, str(ROOT / "bench")]
     return [
         Stage("imports", 60, lambda scratch: [[sys.executable, "-c", imports]]),
@@ -166,6 +171,14 @@ def stages(args: argparse.Namespace) -> list[Stage]:
             run_figures,
         ),
         Stage("async-speedup", 240, lambda scratch: [[bench[0], f"{bench[1]}/async_speedup.py", *asynchronous]]),
+        Stage(
+            "routing-replay",
+            180,
+            lambda scratch: [
+                [bench[0], f"{bench[1]}/routing_replay.py", "--device", device, "--dtype", "bfloat16", *shape]
+                for shape in replay
+            ],
+        ),
     ]
 
 

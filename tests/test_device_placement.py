@@ -24,11 +24,13 @@ from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.publish import DirectoryPublisher, hf_tensors
+from meshy.train.routing_replay import FREE
 from meshy.train.service import TrainingService, TrainServiceConfig
 from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
-from tests.train.rows import put_groups
+from tests.train.rows import add_routing, put_groups
 
 ARCH = get_model("qwen3-tiny")
+MOE = get_model("qwen3-tiny-moe")
 CPU = torch.device("cpu")
 
 
@@ -50,10 +52,16 @@ def test_the_guard_turns_a_tensor_without_a_device_into_an_error():
         assert torch.stack([real.sum(), torch.tensor(1.0, device=CPU)]).tolist() == [3.0, 1.0]
 
 
-def policy_batch(loss: LossConfig, seed: int = 0) -> PolicyBatch:
+def policy_batch(loss: LossConfig, seed: int = 0, routed: bool = False) -> PolicyBatch:
+    """A batch for qwen3-tiny, or with `routed` for qwen3-tiny-moe with replayed experts at some positions."""
     g = torch.Generator().manual_seed(seed)
     b, t, k = 3, 9, 4
     tokens = torch.randint(0, ARCH.vocab_size, (b, t), generator=g)
+    routed_experts = None
+    if routed:
+        layers, top_k = MOE.num_hidden_layers, MOE.num_experts_per_tok
+        routed_experts = torch.rand(b, t - 1, layers, MOE.num_experts, generator=g).argsort(-1)[..., :top_k]
+        routed_experts[:, :3] = FREE  # the prompt's positions route freely
     mask = (torch.rand(b, t - 1, generator=g) < 0.7).float()
     rollout = -torch.rand(b, t - 1, generator=g) - 0.5
     return PolicyBatch(
@@ -64,6 +72,7 @@ def policy_batch(loss: LossConfig, seed: int = 0) -> PolicyBatch:
         ref_logprobs=rollout - 0.1 if loss.kl_coef else None,
         teacher_topk_ids=torch.randint(0, ARCH.vocab_size, (b, t - 1, k), generator=g) if loss.distill_coef else None,
         teacher_topk_logprobs=-torch.rand(b, t - 1, k, generator=g) - 1 if loss.distill_coef else None,
+        routed_experts=routed_experts,
     )
 
 
@@ -92,6 +101,17 @@ def test_a_policy_step_creates_every_tensor_where_its_model_lives(name):
     assert trainer.steps == 2 and torch.isfinite(torch.tensor(metrics["loss"], device=CPU))
 
 
+def test_a_policy_step_replaying_a_mixture_s_routing_creates_every_tensor_where_its_model_lives():
+    model, _ = build_model(MOE, ParallelConfig(), device=CPU, seed=0)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig())
+    trainer.step(policy_batch(LossConfig(), seed=1, routed=True))
+    batch = policy_batch(LossConfig(), seed=2, routed=True)
+    with no_default_device():
+        batch.old_logprobs = trainer.logprobs(batch)
+        metrics = trainer.step(batch)
+    assert trainer.steps == 2 and torch.isfinite(torch.tensor(metrics["loss"], device=CPU))
+
+
 def test_the_training_service_builds_and_trains_its_batches_on_its_model_s_device(client, unique, tmp_path):
     table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
     put_groups(client, table, range(4), 2, ARCH.vocab_size)
@@ -104,6 +124,23 @@ def test_the_training_service_builds_and_trains_its_batches_on_its_model_s_devic
         record = service.train_batch(service.wait_for_batch())
     service.close()
     assert record["rows_trained"] == 4 and record["rows_dropped"] == 0
+
+
+def test_the_training_service_builds_replayed_routing_on_its_model_s_device(client, unique):
+    layers, top_k = MOE.num_hidden_layers, MOE.num_experts_per_tok
+    spec = cols.rollout_table(unique("rollout"), group_size=2, routed_experts=(layers, top_k), retire_after=("train",))
+    table = client.create_table(spec).name
+    rows = put_groups(client, table, range(4), 2, MOE.vocab_size)
+    add_routing(client, table, rows, layers, top_k, MOE.num_experts)
+    model, _ = build_model(MOE, ParallelConfig(), device=CPU, seed=0)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig())
+    config = TrainServiceConfig(table=table, groups_per_rank=2, minibatches=2, routing_replay=True, batch_timeout_s=1)
+    service = TrainingService(client, trainer, NoPublish(), config)
+    service.train_batch(service.wait_for_batch())  # the optimizer's first step, outside the guard
+    with no_default_device():
+        record = service.train_batch(service.wait_for_batch())
+    service.close()
+    assert record["rows_trained"] == 4 and record["replayed_tokens"] > 0
 
 
 class NoPublish:
@@ -144,10 +181,10 @@ def test_a_trainer_moves_to_host_memory_and_back_with_everything_it_holds():
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def scheduler(max_running: int = 4) -> _Scheduler:
-    model, _ = build_model(ARCH, ParallelConfig(), device=CPU, seed=3)
-    config = ModelConfig.from_hf(ARCH.hf_config("float32"))
-    engine_model = load_model(config, dict(hf_tensors(model, ARCH, torch.float32)), CPU, torch.float32)
+def scheduler(max_running: int = 4, arch=ARCH) -> _Scheduler:
+    model, _ = build_model(arch, ParallelConfig(), device=CPU, seed=3)
+    config = ModelConfig.from_hf(arch.hf_config("float32"))
+    engine_model = load_model(config, dict(hf_tensors(model, arch, torch.float32)), CPU, torch.float32)
     return _Scheduler(engine_model, config, max_running, 48, CPU, torch.float32, version=0)
 
 
@@ -155,8 +192,9 @@ def request(name: str, prompt: list[int], **params) -> _Request:
     return _Request(name, prompt, SamplingParams(max_new_tokens=6, **params), frozenset(), Future())
 
 
-def test_the_torch_engine_generates_scores_releases_and_onloads_on_its_device():
-    worker = scheduler()
+@pytest.mark.parametrize("arch", [ARCH, MOE], ids=["dense", "moe"])
+def test_the_torch_engine_generates_scores_releases_and_onloads_on_its_device(arch):
+    worker = scheduler(arch=arch)
     requests = [
         request("full", [1, 2, 3], seed=1),
         request("greedy", [4, 5], temperature=0.0),
@@ -174,7 +212,10 @@ def test_the_torch_engine_generates_scores_releases_and_onloads_on_its_device():
             worker.step()
         scores = worker.score([1, 2, 3, 4, 5], top_k=3, start=1)
     for r in requests:
-        assert len(r.done.result().output_ids) == 6, r.request_id
+        generation = r.done.result()
+        assert len(generation.output_ids) == 6, r.request_id
+        routed = generation.routed_experts  # a mixture's routing, read back with each step's tokens
+        assert (routed is None) if not arch.moe else tuple(routed.shape) == (6, arch.num_hidden_layers, 2)
     assert len(scores.token_logprobs) == 3 and len(scores.topk_ids[0]) == 3
 
 

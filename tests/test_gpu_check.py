@@ -58,6 +58,7 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
             "default-colocated",
             "ring-0.6b",
             "async-speedup",
+            "routing-replay",
         )
     ], summary
     assert code == 0

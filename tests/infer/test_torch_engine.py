@@ -368,11 +368,11 @@ def test_a_batched_prefill_of_uneven_prompts_matches_the_full_forward_and_decode
     cache = KVCache(model.config, 4, 32, torch.device("cpu"), torch.float32)
     with torch.no_grad():
         prompts = [s[:-2] for s in sequences]
-        logits = [model.prefill(prompts, cache, [3, 0, 2])]
+        logits = [model.prefill(prompts, cache, [3, 0, 2])[0]]
         for step in (2, 1):  # decode the last two tokens of each sequence, slot 1 idle
             positions = torch.tensor([len(sequences[1]) - step, 0, len(sequences[2]) - step, len(sequences[0]) - step])
             tokens = torch.stack([sequences[1][-step], torch.tensor(0), sequences[2][-step], sequences[0][-step]])
-            hidden = model.decode(tokens, positions, cache, span=32)
+            hidden, _ = model.decode(tokens, positions, cache, span=32)
             logits.append(model.logits(hidden[[3, 0, 2]]))
         for i, sequence in enumerate(sequences):
             full = model.score_logits(torch.cat([sequence, sequence[:1]])[None])[0]  # logits after each token

@@ -66,7 +66,9 @@ def records(run_dir: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def check_run(run_dir: Path, max_staleness: int, resumed_at: int = 0, steps: int = STEPS) -> list[dict]:
+def check_run(
+    run_dir: Path, max_staleness: int, resumed_at: int = 0, steps: int = STEPS, architecture: str = "Qwen3ForCausalLM"
+) -> list[dict]:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == list(range(1, steps + 1)), "versions strictly increase"
     trained = [r for m in metrics for r in m["row_ids"]]
@@ -83,9 +85,7 @@ def check_run(run_dir: Path, max_staleness: int, resumed_at: int = 0, steps: int
     loaded = records(run_dir, "inference-0")[-1]["versions"]
     assert loaded == sorted(set(loaded)), "inference loaded versions in order, each once"
     config = json.loads((run_dir / "final_weights" / "config.json").read_text())
-    assert (
-        config["architectures"] == ["Qwen3ForCausalLM"] and (run_dir / "final_weights" / "model.safetensors").is_file()
-    )
+    assert config["architectures"] == [architecture] and (run_dir / "final_weights" / "model.safetensors").is_file()
     assert (run_dir / "reward_curve.png").is_file() and (run_dir / "tensorboard").is_dir()
     return metrics
 
@@ -93,6 +93,19 @@ def check_run(run_dir: Path, max_staleness: int, resumed_at: int = 0, steps: int
 @pytest.mark.parametrize(("pacing", "max_staleness"), [("1", 0), ("2", 1), ('"none"', FREE_BATCHES)])
 def test_pacing_modes_train_every_generated_row_once_within_the_staleness_bound(tmp_path, pacing, max_staleness):
     check_run(run(small_recipe(tmp_path, pacing)), max_staleness)
+
+
+def test_a_mixture_of_experts_trains_every_version_replaying_the_engine_s_routing(tmp_path):
+    """Bounded off-policy (pacing 2), so rows are sampled by a version older than the one training them:
+    the trainer replays, for every response token of every row, the experts the engine chose."""
+    recipe = small_recipe(tmp_path, "2")
+    text = recipe.read_text().replace('name = "qwen3-tiny"', 'name = "qwen3-tiny-moe"')
+    recipe.write_text(re.sub(r"^pacing = 2$", "pacing = 2\nrouting_replay = true", text, flags=re.M))
+    metrics = check_run(run(recipe), 1, architecture="Qwen3MoeForCausalLM")
+    for m in metrics:
+        assert m["rows_trained"] == GROUPS * GROUP and m["rows_dropped"] == 0, m
+        assert m["replayed_tokens"] == m["tokens"] > 0, "every trained token was routed as the engine routed it"
+    assert any(int(age) > 0 for m in metrics for age in m["staleness_histogram"]), "some rows were off-policy"
 
 
 def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_path):

@@ -16,6 +16,13 @@ def recipe_from(tmp_path, text: str):
     return load_recipe(path)
 
 
+def moe_replay(text: str) -> str:
+    """The default recipe on the tiny mixture of experts, replaying its routing."""
+    return text.replace('name = "qwen3-tiny"', 'name = "qwen3-tiny-moe"').replace(
+        "pacing = 1", "pacing = 1\nrouting_replay = true"
+    )
+
+
 def test_the_embedded_default_loads_and_resolves():
     recipe = load_recipe()
     assert recipe.world_size == 3 and recipe.algorithm.window == 1
@@ -76,6 +83,24 @@ def test_the_embedded_default_loads_and_resolves():
             "colocate: role 'reference' does not take part in a GPU token ring",
         ),
         (lambda t: t.replace("max_new_tokens = 3", "max_new_tokens = 0"), "max_new_tokens, max_in_flight >= 1"),
+        (
+            lambda t: t.replace("pacing = 1", "pacing = 1\nrouting_replay = true"),
+            "algorithm.routing_replay: model 'qwen3-tiny' is dense (num_experts = 0); routing replay needs a "
+            "mixture-of-experts model",
+        ),
+        (
+            lambda t: moe_replay(t).replace("max_in_flight = 256", 'max_in_flight = 256\nengine = "sglang"'),
+            'algorithm.routing_replay: sampling.engine "sglang" does not record routed experts; use '
+            'sampling.engine = "torch"',
+        ),
+        (
+            lambda t: moe_replay(t) + "\n[algorithm.parallel]\ntp = 2\n",
+            "algorithm.routing_replay: not supported with algorithm.parallel.tp or cp > 1",
+        ),
+        (
+            lambda t: t.replace("pacing = 1", "pacing = 1\nrouting_replay = 1"),
+            "AlgorithmSpec.routing_replay: expected bool, got int 1",
+        ),
         (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
         (lambda t: t + '\n[[roles.custom]]\ncls = "x:Y"\n', "recipe.roles.custom[0]: missing field 'name'"),
         (lambda t: t + '\n[roles.custom]\nname = "judge"\n', "RolesSpec.custom: expected tuple[CustomRoleSpec, ...]"),
@@ -106,6 +131,17 @@ def test_kl_to_the_reference_runs_a_reference_role_that_may_share_the_trainer_s_
     shared = recipe_from(tmp_path, 'share_devices = [["training", "reference"]]\n' + text)
     devices = {s.role: s.devices for s in assign(shared, 4, gpus_per_node=1).values()}
     assert devices == {"training": (0,), "inference": (), "rollout": (), "reference": (0,)}
+
+
+def test_a_routing_replay_recipe_declares_the_routed_experts_column(tmp_path):
+    from meshy.dataplane import rollout as cols
+    from meshy.recipes.context import rollout_table
+
+    recipe = recipe_from(tmp_path, moe_replay(DEFAULT))
+    assert recipe.algorithm.routing_replay
+    assert rollout_table(recipe).column(cols.ROUTED_EXPERTS).shape == (None, 2, 2)  # (tokens, layers, top_k)
+    dense = {c.name for c in rollout_table(recipe_from(tmp_path, DEFAULT)).columns}
+    assert cols.ROUTED_EXPERTS not in dense, "a run that does not replay routing carries no such column"
 
 
 def test_topology_rejects_a_world_that_does_not_fit():

@@ -2,7 +2,7 @@
 
 import torch
 
-from meshy.dataplane import DataPlaneClient
+from meshy.dataplane import HOST, DataPlaneClient
 from meshy.dataplane import rollout as cols
 
 
@@ -37,3 +37,25 @@ def put_groups(
         )
         rows += ids
     return rows
+
+
+def add_routing(
+    client: DataPlaneClient, table: str, rows: list[int], layers: int, top_k: int, experts: int, seed: int = 0
+) -> dict[int, torch.Tensor]:
+    """A routed_experts column for rows whose responses are written: distinct random experts per token
+    and layer. Returns each row's value."""
+    lengths = response_lengths(client, table)
+    g = torch.Generator(HOST).manual_seed(seed)
+    values = {
+        r: torch.rand(lengths[r], layers, experts, generator=g, device=HOST).argsort(-1)[..., :top_k].to(torch.int16)
+        for r in rows
+    }
+    client.add_columns(table, rows, {cols.ROUTED_EXPERTS: [values[r] for r in rows]})
+    return values
+
+
+def response_lengths(client: DataPlaneClient, table: str) -> dict[int, int]:
+    """Row id -> response tokens, for every row whose response is written."""
+    batch = client.lease(table, "response-lengths", [cols.RESPONSE_IDS], count=1024, min_count=1, timeout=3)
+    client.release(batch)
+    return {r: len(response) for r, response in zip(batch.row_ids, batch.columns[cols.RESPONSE_IDS], strict=True)}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from meshy.dataplane import HOST, free_cached
+from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.train import checkpoint, offload
 from meshy.train.logprobs import forward_logits, token_logprobs
@@ -91,3 +92,47 @@ def test_trainer_and_engine_logprobs_agree_in_each_dtype(dtype, mean_bound, max_
     assert difference.mean().item() <= mean_bound and difference.max().item() <= max_bound, (
         f"{dtype}: mean {difference.mean().item():.2e}, max {difference.max().item():.2e}"
     )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_mixture_s_engine_routing_is_replayed_by_the_trainer_on_the_gpu(dtype):
+    """TorchEngine on CUDA records each token's experts; the trainer (full checkpointing) replays them:
+    its replayed experts are the engine's, and a step with them runs."""
+    from meshy.train.logprobs import pack_rows
+    from meshy.train.routing_replay import FREE, replay_routers, replay_routing
+    from meshy.train.trainer import PolicyBatch
+
+    moe = get_model("qwen3-tiny-moe")
+    model, _ = build_model(moe, ParallelConfig(activation_checkpoint="full"), device=CUDA, dtype=dtype, seed=0)
+    weights = (moe.hf_config(dtype), dict(hf_tensors(model, moe, getattr(torch, dtype))))
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20]]
+
+    async def generate():
+        engine = TorchEngine(weights, device=CUDA, dtype=dtype, max_len=64)
+        try:
+            params = [SamplingParams(max_new_tokens=12, seed=i) for i in range(len(prompts))]
+            return await asyncio.gather(*[engine.generate(f"r{i}", p, params[i]) for i, p in enumerate(prompts)])
+        finally:
+            await engine.close()
+
+    generations = asyncio.run(generate())
+    responses = [torch.tensor(g.output_ids, device=HOST) for g in generations]
+    tokens, spans = pack_rows([torch.tensor(p, device=HOST) for p in prompts], responses)
+    b, t = tokens.shape[0], tokens.shape[1] - 1
+    routed = torch.full((b, t, 2, 2), FREE, dtype=torch.int64, device=HOST)
+    mask = torch.zeros(b, t, device=HOST)
+    for i, (generation, span) in enumerate(zip(generations, spans, strict=True)):
+        assert generation.routed_experts.device == HOST and generation.routed_experts.dtype == torch.int16
+        routed[i, span], mask[i, span] = generation.routed_experts.long(), 1.0
+    tokens, routed, mask = tokens.to(CUDA), routed.to(CUDA), mask.to(CUDA)
+    used: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda _m, _i, out: used.append(out[1])) for r in replay_routers(model)]
+    with torch.no_grad(), replay_routing(model, routed):
+        model(tokens[:, :-1])
+    for hook in hooks:
+        hook.remove()
+    replayed = torch.stack(used, dim=2)
+    assert torch.equal(replayed[routed >= 0], routed[routed >= 0])
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig(tis="none"))
+    metrics = trainer.step(PolicyBatch(tokens, mask, torch.ones(b, device=CUDA), routed_experts=routed))
+    assert trainer.steps == 1 and metrics["grad_norm"] > 0

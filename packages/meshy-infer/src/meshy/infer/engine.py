@@ -51,12 +51,17 @@ class SamplingParams:
 
 @dataclass
 class Generation:
+    """routed_experts: for an engine that records routing (`Engine.records_routing`), the experts every
+    MoE layer chose for each output token [len(output_ids), layers, top_k] int16 on the host (entry i:
+    the routing of the forward whose logits gave token i; meshy.infer.routing_log); None otherwise."""
+
     request_id: str
     output_ids: list[int]
     logprobs: list[float]
     token_versions: list[int]
     finish_reason: str
     prompt_length: int = 0
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,9 +81,12 @@ class EngineClosed(RuntimeError):
 
 
 class Engine(abc.ABC):
-    """A generation backend. `weight_version` is the version the next token will be produced by."""
+    """A generation backend. `weight_version` is the version the next token will be produced by.
+    `records_routing`: every Generation carries routed_experts (a mixture-of-experts model on an engine
+    that records its routing)."""
 
     weight_version: int
+    records_routing: bool = False
 
     @abc.abstractmethod
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:

@@ -6,7 +6,9 @@ that also blocks elsewhere does not stall generation). Each scheduler iteration 
 that arrived, in order (weights, pause, release, abort, new requests, scores); admits waiting requests
 into the lowest free cache slots, their prompts prefilled together; then runs one decode step for every
 running request, sampled together on the device (meshy.infer.sampling), with one wait for the device
-per step. On CUDA a decode step is a replayed CUDA graph, one per batch/span bucket.
+per step. On CUDA a decode step is a replayed CUDA graph, one per batch/span bucket (dense models; a
+mixture decodes eagerly). A mixture's generations also carry the experts every layer chose for each
+token, read back in the same copy as the sampled tokens.
 Nothing waits forever: `close()` ends pending generations as aborted, and if the worker fails, every
 pending call raises EngineClosed naming the cause.
 """
@@ -45,6 +47,7 @@ from meshy.infer.engine import (
     Scores,
     WeightsSource,
 )
+from meshy.infer.routing_log import EXPERT_ID_DTYPE, RoutingLog
 from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_model
 
 # A published version (verified), an HF checkpoint directory (config.json and *.safetensors, sharded or
@@ -100,6 +103,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     slot: int = -1
     cached: int = 0  # tokens whose keys and values are in the cache
+    routing: RoutingLog | None = None  # a mixture's experts per output token
 
 
 @dataclass(eq=False)
@@ -146,9 +150,10 @@ def _int64_seed(seed: int) -> int:
 class _Scheduler:
     """The worker thread's state: model, cache, requests. Only the worker thread touches it.
 
-    A step's inputs go to the device in one copy and its sampled tokens come back in one read: the only
-    wait on the device per step. On CUDA, each decode shape (decode_shape) is captured once as a CUDA
-    graph and replayed; a release drops the graphs with the cache they point into."""
+    A step's inputs go to the device in one copy and its sampled tokens (with a mixture's expert ids)
+    come back in one read: the only wait on the device per step. On CUDA, each decode shape
+    (decode_shape) is captured once as a CUDA graph and replayed; a release drops the graphs with the
+    cache they point into."""
 
     def __init__(
         self,
@@ -188,6 +193,8 @@ class _Scheduler:
         if not command.done.set_running_or_notify_cancel():
             return  # the caller gave up before the worker saw it
         if isinstance(command, _Request):
+            if self.config.moe:
+                command.routing = RoutingLog(self.config.num_hidden_layers, self.config.num_experts_per_tok)
             self.waiting.append(command)
         elif command.needs_device and self.released:
             self.held.append(command)
@@ -222,10 +229,10 @@ class _Scheduler:
 
     def _prefill(self, requests: list[_Request]) -> None:
         prompts = [torch.tensor(r.prompt, device=self.device) for r in requests]
-        logits = self.model.prefill(prompts, self.cache, [r.slot for r in requests])
+        logits, routing = self.model.prefill(prompts, self.cache, [r.slot for r in requests])
         for request in requests:
             request.cached = len(request.prompt)
-        self._emit(requests, logits, self._sampling_rows(requests, []))
+        self._emit(requests, logits, self._sampling_rows(requests, []), routing)
 
     def _refill(self, requests: list[_Request]) -> None:
         """Recompute running requests' caches (dropped by `release`); each one's last token is fed next step."""
@@ -243,10 +250,12 @@ class _Scheduler:
         for request in requests:
             tokens[request.slot], positions[request.slot] = request.output[-1], request.cached
         rows = self._sampling_rows(requests, [tokens, positions])
-        hidden = self._decode_hidden(batch, span)
+        hidden, routing = self._decode_hidden(batch, span)
         for request in requests:
             request.cached += 1
-        self._emit(requests, self.model.logits(hidden.index_select(0, self.inputs[2, : len(requests)])), rows)
+        sampled = self.inputs[2, : len(requests)]  # the requests' slots, the rows they read
+        routing = routing.index_select(0, sampled) if routing is not None else None
+        self._emit(requests, self.model.logits(hidden.index_select(0, sampled)), rows, routing)
 
     def _sampling_rows(self, requests: list[_Request], slot_rows: list[list[int]]) -> sampling.Rows:
         """Copy a step's inputs to the device, in one transfer that does not wait for it: `slot_rows`
@@ -272,9 +281,10 @@ class _Scheduler:
             truncated=any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in requests),
         )
 
-    def _decode_hidden(self, batch: int, span: int) -> torch.Tensor:
-        """The decode step's hidden states [batch, hidden]: a replayed CUDA graph on CUDA (captured the
-        first time this shape runs), an eager forward elsewhere or if capture failed."""
+    def _decode_hidden(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode step's hidden states [batch, hidden] and a mixture's expert ids [batch, layers,
+        top_k]: a replayed CUDA graph on CUDA (captured the first time this shape runs; dense models
+        only), an eager forward elsewhere or if capture failed."""
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         if not self.graphs:
             return self.model.decode(tokens, positions, self.cache, span)
@@ -289,7 +299,7 @@ class _Scheduler:
                 return self.model.decode(tokens, positions, self.cache, span)
         graph, hidden = self.captured[key]
         graph.replay()
-        return hidden
+        return hidden, None
 
     def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> tuple:
         """A CUDA graph of one decode step of this shape, reading tokens and positions where they are.
@@ -303,17 +313,31 @@ class _Scheduler:
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden = self.model.decode(tokens, positions, self.cache, span)
+            hidden, _ = self.model.decode(tokens, positions, self.cache, span)
         return graph, hidden
 
-    def _emit(self, requests: list[_Request], logits: torch.Tensor, rows: sampling.Rows) -> None:
+    def _emit(
+        self, requests: list[_Request], logits: torch.Tensor, rows: sampling.Rows, routing: torch.Tensor | None
+    ) -> None:
+        """Sample each request's next token from its logits row; `routing` [requests, layers, top_k] holds
+        the experts a mixture chose for those rows (None if dense). Token, logprob and expert ids come
+        to the host in one copy, the step's one wait on the device."""
         chosen, logprobs = sampling.sample(logits, rows)
-        tokens, values = torch.stack([chosen.double(), logprobs.double()]).tolist()  # the step's one wait
-        for request, token, logprob in zip(requests, tokens, values, strict=True):
+        columns = [chosen.double()[:, None], logprobs.double()[:, None]]
+        if routing is not None:  # expert ids are small integers: exact in float64
+            columns.append(routing.flatten(1).double())
+        host = torch.cat(columns, dim=1).to(HOST)
+        tokens, values = host[:, 0].tolist(), host[:, 1].tolist()
+        experts = (
+            host[:, 2:].to(EXPERT_ID_DTYPE).view(len(requests), *routing.shape[1:]) if routing is not None else None
+        )
+        for i, (request, token, logprob) in enumerate(zip(requests, tokens, values, strict=True)):
             token = int(token)
             request.output.append(token)
             request.logprobs.append(logprob)
             request.versions.append(self.version)
+            if experts is not None:
+                request.routing.append(experts[i])
             if token in request.stop_ids:
                 self._finish(request, FINISH_STOP)
             elif len(request.output) >= request.params.max_new_tokens:
@@ -323,8 +347,9 @@ class _Scheduler:
         if self.running.get(request.slot) is request:
             del self.running[request.slot]
             heapq.heappush(self.free_slots, request.slot)
+        routed = request.routing.tensor() if request.routing is not None else None
         result = Generation(
-            request.request_id, request.output, request.logprobs, request.versions, reason, len(request.prompt)
+            request.request_id, request.output, request.logprobs, request.versions, reason, len(request.prompt), routed
         )
         request.done.set_result(result)
 
@@ -435,6 +460,10 @@ class TorchEngine(Engine):
     @property
     def weight_version(self) -> int:
         return self._scheduler.version
+
+    @property
+    def records_routing(self) -> bool:
+        return self.config.moe
 
     @property
     def cuda_graphs(self) -> dict:

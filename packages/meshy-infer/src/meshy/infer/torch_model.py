@@ -220,7 +220,8 @@ class MLP(nn.Module):
 
 class MixtureOfExperts(nn.Module):
     """Router softmax in float32, top-k experts (renormalised when norm_topk_prob), weighted sum of
-    their outputs, as HF's Qwen3MoeSparseMoeBlock."""
+    their outputs, as HF's Qwen3MoeSparseMoeBlock. Also returns the experts each token chose, in order
+    of falling router probability, for routing replay."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -230,18 +231,24 @@ class MixtureOfExperts(nn.Module):
             MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixture's output (shaped as x) and the chosen experts [*x.shape[:-1], top_k] (int64)."""
         tokens = x.reshape(-1, x.shape[-1])
-        probs = F.softmax(self.gate(tokens), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = self.route(tokens)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(tokens)
         for expert in chosen.unique().tolist():
             rows, rank = torch.where(chosen == expert)
             out.index_add_(0, rows, self.experts[expert](tokens[rows]) * weights[rows, rank, None])
-        return out.view(x.shape)
+        return out.view(x.shape), chosen.view(*x.shape[:-1], self.top_k)
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 routing weights and expert ids [tokens, top_k] of hidden states [tokens, hidden]."""
+        probs = F.softmax(self.gate(tokens), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
 
 
 class DecoderLayer(nn.Module):
@@ -252,9 +259,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MixtureOfExperts(config) if config.moe else MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: _Step) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: _Step
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output and, in a mixture, the experts each position chose [batch, seq, top_k]."""
         x = x + self.self_attn(self.input_layernorm(x), rope, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if isinstance(self.mlp, MixtureOfExperts):
+            out, chosen = self.mlp(self.post_attention_layernorm(x))
+            return x + out, chosen
+        return x + self.mlp(self.post_attention_layernorm(x)), None
 
 
 class DecoderBody(nn.Module):
@@ -278,13 +291,19 @@ class DecoderModel(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
-    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
-        """Final-norm hidden states [batch, seq, hidden] of tokens at positions [batch, seq]."""
+    def hidden(
+        self, tokens: torch.Tensor, positions: torch.Tensor, step: _Step
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-norm hidden states [batch, seq, hidden] of tokens at positions [batch, seq], and for a
+        mixture the experts every layer chose [batch, seq, top_k] (one tensor per layer; none if dense)."""
         rope = _rope(positions, self.config.head_dim, self.config.rope_theta)
         x = self.model.embed_tokens(tokens)
+        routed = []
         for layer in self.model.layers:
-            x = layer(x, rope, step)
-        return self.model.norm(x)
+            x, chosen = layer(x, rope, step)
+            if chosen is not None:
+                routed.append(chosen)
+        return self.model.norm(x), routed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -293,23 +312,31 @@ class DecoderModel(nn.Module):
     def score_logits(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Float32 logits [batch, seq - 1 - start, vocab] predicting tokens[:, start + 1:]."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return self.logits(self.hidden(tokens, positions, _Causal())[:, start:-1])
+        return self.logits(self.hidden(tokens, positions, _Causal())[0][:, start:-1])
 
-    def prefill(self, sequences: Sequence[torch.Tensor], cache: KVCache, slots: Sequence[int]) -> torch.Tensor:
+    def prefill(
+        self, sequences: Sequence[torch.Tensor], cache: KVCache, slots: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store each sequence [seq_i] in its slot of the cache, in one forward; the float32 logits
-        [batch, vocab] after each one's last token."""
+        [batch, vocab] after each one's last token, and for a mixture the experts each layer chose there
+        [batch, layers, top_k] (None if dense): the routing that produced those logits."""
         device = sequences[0].device
         tokens = nn.utils.rnn.pad_sequence(list(sequences), batch_first=True)
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        hidden = self.hidden(tokens, positions, _Prefill(cache, torch.tensor(list(slots), device=device)))
+        hidden, routed = self.hidden(tokens, positions, _Prefill(cache, torch.tensor(list(slots), device=device)))
+        rows = torch.arange(len(sequences), device=device)
         last = torch.tensor([len(s) - 1 for s in sequences], device=device)
-        return self.logits(hidden[torch.arange(len(sequences), device=device), last])
+        return self.logits(hidden[rows, last]), _stack_layers([chosen[rows, last] for chosen in routed])
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token [B] for each of the slots 0..B-1 at its position [B] (every slot in use must hold its
         first `position` tokens already), attending over the first `span` cache positions: the final-norm
-        hidden states [B, hidden] (`logits` turns the rows wanted into logits)."""
-        return self.hidden(tokens[:, None], positions[:, None], _Decode(cache, positions, span))[:, 0]
+        hidden states [B, hidden] (`logits` turns the rows wanted into logits), and for a mixture the
+        experts each layer chose [B, layers, top_k] (None if dense)."""
+        hidden, routed = self.hidden(tokens[:, None], positions[:, None], _Decode(cache, positions, span))
+        return hidden[:, 0], _stack_layers([chosen[:, 0] for chosen in routed])
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in (converted to the model's dtype and device). Every name and shape is
@@ -333,6 +360,11 @@ class DecoderModel(nn.Module):
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(tensors[name])
+
+
+def _stack_layers(routed: list[torch.Tensor]) -> torch.Tensor | None:
+    """Per-layer expert ids [rows, top_k] as one tensor [rows, layers, top_k]; None for a dense model."""
+    return torch.stack(routed, dim=1) if routed else None
 
 
 def load_model(

@@ -158,7 +158,11 @@ class AlgorithmSpec:
     overlong_buffer: DAPO soft overlong penalty over the last overlong_buffer tokens of max_new_tokens,
     falling to -overlong_factor (GRPO: added to the reward; PPO: to the advantages after GAE, tail
     only, so the critic never learns it). 0 turns it off. loss.kl_coef: KL to the frozen initial policy
-    (the weights of version 0), scored by a [roles.reference] section that the KL term needs."""
+    (the weights of version 0), scored by a [roles.reference] section that the KL term needs.
+    routing_replay: a mixture-of-experts model's
+    trainer routes each response token to the experts the inference engine chose for it (the engine
+    records them in the routed_experts column), so routing differences do not reach the importance
+    ratio; needs an MoE model and the torch engine."""
 
     kind: Literal["grpo", "ppo", "distill"] = "grpo"
     group_size: int = 8
@@ -175,6 +179,7 @@ class AlgorithmSpec:
     value_clip: float = 0.2
     gae_k: float = 0.5
     teacher_topk: int = 8
+    routing_replay: bool = False
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     critic_optim: OptimConfig = field(default_factory=OptimConfig)
@@ -267,6 +272,8 @@ class Recipe:
         if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
             raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
         self._check_reference(roles)
+        if self.algorithm.routing_replay:
+            self._check_routing_replay()
         if self.algorithm.overlong_buffer > self.sampling.max_new_tokens:
             raise SchemaError(
                 f"algorithm.overlong_buffer: expected <= sampling.max_new_tokens ({self.sampling.max_new_tokens}), "
@@ -333,6 +340,25 @@ class Recipe:
             raise SchemaError(
                 f"algorithm.loss.temperature: the reference role scores at temperature 1, so KL to it "
                 f"(algorithm.loss.kl_coef) needs temperature = 1, got {loss.temperature}"
+            )
+
+    def _check_routing_replay(self) -> None:
+        arch = self.model.arch()
+        if not arch.moe:
+            raise SchemaError(
+                f"algorithm.routing_replay: model {self.model.name!r} is dense (num_experts = 0); routing replay "
+                "needs a mixture-of-experts model"
+            )
+        if self.sampling.engine != "torch":
+            raise SchemaError(
+                f'algorithm.routing_replay: sampling.engine "{self.sampling.engine}" does not record routed '
+                'experts; use sampling.engine = "torch"'
+            )
+        parallel = self.algorithm.parallel
+        if parallel.tp > 1 or parallel.cp > 1:
+            raise SchemaError(
+                "algorithm.routing_replay: not supported with algorithm.parallel.tp or cp > 1 (the replayed "
+                f"experts are not split over sequence shards); got tp={parallel.tp}, cp={parallel.cp}"
             )
 
     @property

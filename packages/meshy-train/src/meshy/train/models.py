@@ -28,6 +28,7 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.fields import check_fields
+from meshy.train.routing_replay import replay_router_config
 
 _NORMAL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 _ONES = {"weight": nn.init.ones_}
@@ -152,13 +153,15 @@ class DecoderArch:
         experts_init = {name: _NORMAL["weight"] for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
         return make_moe_config(
             num_experts=self.num_experts,
-            router=make_router_config(
-                dim=self.hidden_size,
-                num_experts=self.num_experts,
-                gate_param_init=_NORMAL,
-                top_k=self.num_experts_per_tok,
-                score_func="softmax",
-                route_norm=True,
+            router=replay_router_config(  # torchtitan's router, which can also replay given routing
+                make_router_config(
+                    dim=self.hidden_size,
+                    num_experts=self.num_experts,
+                    gate_param_init=_NORMAL,
+                    top_k=self.num_experts_per_tok,
+                    score_func="softmax",
+                    route_norm=True,
+                )
             ),
             routed_experts=make_routed_experts_config(
                 dim=self.hidden_size,

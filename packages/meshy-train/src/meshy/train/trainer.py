@@ -3,7 +3,9 @@
 A step's loss is normalised by a count all-reduced over data-parallel ranks (trained tokens, or
 sequences), so FSDP's summed gradients equal those of the whole global batch on one process, and the
 metrics of its loss and loss parts (pg_loss, kl, distill_kl, the entropy bonus) are global means. A step
-whose loss or gradient norm is not finite on any rank is skipped on every rank and counted.
+whose loss or gradient norm is not finite on any rank is skipped on every rank and counted. A batch
+with routed_experts replays that routing in every forward of the step (and the backward's
+recomputations under activation checkpointing).
 """
 
 import math
@@ -25,6 +27,7 @@ from meshy.train.losses import (
     ppo_clip_loss,
     topk_forward_kl,
 )
+from meshy.train.routing_replay import replay_routing
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,9 @@ class PolicyBatch:
     ref_logprobs: torch.Tensor | None = None
     teacher_topk_ids: torch.Tensor | None = None  # [B, T-1, k]
     teacher_topk_logprobs: torch.Tensor | None = None
+    # [B, T-1, layers, top_k] int64: the experts position t (input token t) uses in each MoE layer, -1
+    # where the router chooses freely (meshy.train.routing_replay); None: no replay.
+    routed_experts: torch.Tensor | None = None
 
 
 def reduce_over_ranks(value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -166,12 +172,18 @@ class PolicyTrainer:
     @torch.no_grad()
     def logprobs(self, batch: PolicyBatch) -> torch.Tensor:
         """The current policy's logprobs of a batch (the "old" policy when a version takes several steps)."""
-        return token_logprobs(forward_logits(self.model, batch.tokens), batch.tokens, self.loss.temperature)
+        with replay_routing(self.model, batch.routed_experts):
+            logits = forward_logits(self.model, batch.tokens)
+        return token_logprobs(logits, batch.tokens, self.loss.temperature)
 
     def step(self, batch: PolicyBatch) -> dict[str, float]:
+        self._check(batch)
+        with replay_routing(self.model, batch.routed_experts):
+            return self._step(batch)
+
+    def _step(self, batch: PolicyBatch) -> dict[str, float]:
         cfg = self.loss
         device = batch.tokens.device
-        self._check(batch)
         local_tokens = batch.mask.sum()
         counts = torch.stack([local_tokens, (batch.mask.sum(dim=1) > 0).sum().to(local_tokens.dtype)]).float()
         global_tokens, global_sequences = reduce_over_ranks(counts.to(device)).tolist()
@@ -264,3 +276,8 @@ class PolicyTrainer:
             value = getattr(batch, name)
             if value is not None and tuple(value.shape) != (b, t - 1):
                 raise SchemaError(f"PolicyBatch.{name}: expected shape {(b, t - 1)}, got {tuple(value.shape)}")
+        routed = batch.routed_experts
+        if routed is not None and tuple(routed.shape[:2]) != (b, t - 1):
+            raise SchemaError(
+                f"PolicyBatch.routed_experts: expected shape {(b, t - 1)} + (layers, top_k), got {tuple(routed.shape)}"
+            )

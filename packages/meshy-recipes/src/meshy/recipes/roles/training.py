@@ -46,6 +46,7 @@ class TrainingRole:
             checkpoint_every=recipe.checkpoint_every,
             critic_warmup_versions=algo.critic_warmup_versions,
             report_reward=True,
+            routing_replay=algo.routing_replay,
         )
         self.service = TrainingService(
             ctx.client,
