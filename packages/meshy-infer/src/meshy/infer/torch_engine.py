@@ -16,9 +16,7 @@ pending call raises EngineClosed naming the cause.
 import asyncio
 import contextlib
 import heapq
-import json
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -27,13 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from meshy.dataplane import HOST, SchemaError, free_cached
+from meshy.dataplane.model_source import ModelSource, read_model
 from meshy.dataplane.weights import DTYPES, Published, read_published
 from meshy.infer import sampling
 from meshy.infer.engine import (
@@ -50,44 +46,9 @@ from meshy.infer.engine import (
 from meshy.infer.routing_log import EXPERT_ID_DTYPE, RoutingLog
 from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_model
 
-# A published version (verified), an HF checkpoint directory (config.json and *.safetensors, sharded or
-# not), or a config.json dict with HF-named tensors.
-ModelSource = Published | str | os.PathLike | tuple[Mapping, Mapping[str, torch.Tensor]]
 PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most (bounds its activations)
 SPAN_STEP = 64  # decode attention spans are multiples of it (decode_shape)
 log = logging.getLogger(__name__)
-
-
-def read_model(source: ModelSource) -> tuple[dict, Mapping[str, torch.Tensor]]:
-    """(config.json as a dict, HF name -> tensor) of a model source."""
-    if isinstance(source, Published):
-        return read_published(source)
-    if isinstance(source, tuple):
-        config, tensors = source
-        return dict(config), tensors
-    directory = Path(source)
-    shards = sorted(directory.glob("*.safetensors"))
-    if not (directory / "config.json").is_file() or not shards:
-        raise SchemaError(f"model source {directory}: expected config.json and *.safetensors in a directory")
-    config = config_json(directory / "config.json")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        try:
-            tensors.update(load_file(shard))
-        except (SafetensorError, OSError) as e:  # a truncated or garbled file: no checksum to tell us more
-            raise SchemaError(f"model source {shard}: not a readable safetensors file ({e})") from None
-    return config, tensors
-
-
-def config_json(path: Path) -> dict:
-    """A model directory's config.json as a dict, or a SchemaError naming the file."""
-    try:
-        config = json.loads(path.read_bytes())
-    except ValueError as e:
-        raise SchemaError(f"model source {path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise SchemaError(f"model source {path}: expected a JSON object, got {type(config).__name__}")
-    return config
 
 
 @dataclass(eq=False)
