@@ -322,32 +322,16 @@ class SGLangEngine(Engine):
         """True once `close` was called."""
         return self._close_started
 
-    # ---- the public coroutines (checks here, SGLang calls on the loop) ----
+    # ---- the public coroutines (input checked by Engine; SGLang calls on the loop) ----
 
-    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
-        self._check_ids(input_ids)
-        total = len(input_ids) + params.max_new_tokens
-        if total > self.max_len:
-            raise SchemaError(
-                f"input_ids + max_new_tokens: {len(input_ids)} + {params.max_new_tokens} = {total} tokens, "
-                f"beyond the engine's max_len of {self.max_len}"
-            )
+    async def _generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
         if params.seed is not None and not self._deterministic and not self._seed_warned:
             self._seed_warned = True
             log.warning("SGLangEngine without deterministic=True ignores SamplingParams.seed")
-        return await self._run(self._generate_on_loop(request_id, list(input_ids), params))
+        return await self._run(self._generate_on_loop(request_id, input_ids, params))
 
-    async def score(self, input_ids: list[int], top_k: int = 0, start: int = 0) -> Scores:
-        self._check_ids(input_ids)
-        if not 0 <= top_k <= self.vocab_size:
-            raise SchemaError(f"score top_k: expected 0..{self.vocab_size}, got {top_k}")
-        if not 0 <= start < len(input_ids):
-            raise SchemaError(f"score start: expected a position in 0..{len(input_ids) - 1}, got {start}")
-        if len(input_ids) > self.max_len:
-            raise SchemaError(
-                f"score input_ids: {len(input_ids)} tokens, beyond the engine's max_len of {self.max_len}"
-            )
-        return await self._run(self._score_on_loop(list(input_ids), top_k, start))
+    async def _score(self, input_ids: list[int], top_k: int, start: int) -> Scores:
+        return await self._run(self._score_on_loop(input_ids, top_k, start))
 
     async def abort(self, request_id: str) -> None:
         await self._run(self._abort_on_loop(request_id))
@@ -691,12 +675,3 @@ class SGLangEngine(Engine):
         if _model_identity(config) != _model_identity(self.config):
             raise SchemaError(f"weights v{version}: config.json describes another model than the engine's")
         check_tensor_shapes(f"weights v{version}", shapes, self._shapes)
-
-    def _check_ids(self, input_ids: list[int]) -> None:
-        if not input_ids:
-            raise SchemaError("input_ids: empty; expected at least one token id")
-        for i, token in enumerate(input_ids):
-            if not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise SchemaError(
-                    f"input_ids[{i}]: token id {token!r} is outside the vocabulary [0, {self.vocab_size})"
-                )

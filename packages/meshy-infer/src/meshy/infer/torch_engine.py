@@ -404,7 +404,7 @@ class TorchEngine(Engine):
             raise SchemaError(f"TorchEngine dtype: expected one of {list(DTYPES)}, got {dtype!r}")
         config, tensors = read_model(source)
         self.config = ModelConfig.from_hf(config)
-        self.max_len = max_len
+        self.vocab_size, self.max_len = self.config.vocab_size, max_len
         if version is None:
             version = source.version if isinstance(source, Published) else 0
         device = torch.device(device)
@@ -434,20 +434,13 @@ class TorchEngine(Engine):
 
     # ---- the public coroutines ----
 
-    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
-        self._check_ids(input_ids)
-        total = len(input_ids) + params.max_new_tokens
-        if total > self.max_len:
-            raise SchemaError(
-                f"input_ids + max_new_tokens: {len(input_ids)} + {params.max_new_tokens} = {total} tokens, "
-                f"beyond the engine's max_len of {self.max_len}"
-            )
+    async def _generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
         with self._lock:
             if request_id in self._active:
                 raise SchemaError(f"request_id {request_id!r}: a request with this id is already running")
             self._active.add(request_id)
         stop_ids = frozenset(self.config.eos_token_ids) | frozenset(params.stop_token_ids)
-        request = _Request(request_id, list(input_ids), params, stop_ids, Future())
+        request = _Request(request_id, input_ids, params, stop_ids, Future())
         try:
             self._post(request)
             return await asyncio.wrap_future(request.done)
@@ -459,13 +452,8 @@ class TorchEngine(Engine):
             with self._lock:
                 self._active.discard(request_id)
 
-    async def score(self, input_ids: list[int], top_k: int = 0, start: int = 0) -> Scores:
-        self._check_ids(input_ids)
-        if not 0 <= top_k <= self.config.vocab_size:
-            raise SchemaError(f"score top_k: expected 0..{self.config.vocab_size}, got {top_k}")
-        if not 0 <= start < len(input_ids):
-            raise SchemaError(f"score start: expected a position in 0..{len(input_ids) - 1}, got {start}")
-        return await self._call(partial(self._scheduler.score, list(input_ids), top_k, start), needs_device=True)
+    async def _score(self, input_ids: list[int], top_k: int, start: int) -> Scores:
+        return await self._call(partial(self._scheduler.score, input_ids, top_k, start), needs_device=True)
 
     async def abort(self, request_id: str) -> None:
         await self._call(partial(self._scheduler.abort, request_id))
@@ -546,11 +534,3 @@ class TorchEngine(Engine):
         call = _Call(fn, Future(), needs_device)
         self._post(call)
         return await asyncio.wrap_future(call.done)
-
-    def _check_ids(self, input_ids: list[int]) -> None:
-        if not input_ids:
-            raise SchemaError("input_ids: empty; expected at least one token id")
-        vocab = self.config.vocab_size
-        for i, token in enumerate(input_ids):
-            if not isinstance(token, int) or not 0 <= token < vocab:
-                raise SchemaError(f"input_ids[{i}]: token id {token!r} is outside the vocabulary [0, {vocab})")
