@@ -360,7 +360,7 @@ class SGLangEngine(Engine):
                 raise SchemaError(f"weights v{version}: format {source.format!r} is not {DISK} or {SHARED_MEMORY}")
             config, source = await asyncio.to_thread(read_published, source)
             self._check_model(version, config, {name: tuple(t.shape) for name, t in source.items()})
-        else:
+        else:  # checked here for the same reason as in _check_model
             check_tensor_shapes(
                 f"weights v{version}", {name: tuple(t.shape) for name, t in source.items()}, self._shapes
             )
@@ -672,6 +672,7 @@ class SGLangEngine(Engine):
             time.sleep(0.01)
 
     def _check_model(self, version: int, config: Mapping, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Checked before SGLang sees a version: it would load a partial or misshapen one halfway, then fail."""
         if _model_identity(config) != _model_identity(self.config):
             raise SchemaError(f"weights v{version}: config.json describes another model than the engine's")
         check_tensor_shapes(f"weights v{version}", shapes, self._shapes)
