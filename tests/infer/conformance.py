@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from meshy.dataplane import SchemaError
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, SamplingParams, WeightsSource
 
 TOLERANCE = 1e-5
@@ -77,6 +78,48 @@ def full_logprobs(scores, vocab_size: int) -> torch.Tensor:
     out = torch.empty(len(scores.topk_ids), vocab_size, dtype=torch.float64)
     out.scatter_(1, torch.tensor(scores.topk_ids), torch.tensor(scores.topk_logprobs, dtype=torch.float64))
     return out
+
+
+def bad_inputs(vocab: int, max_len: int) -> dict[str, tuple[str, tuple, str]]:
+    """name -> (method, its arguments, the error they get): every input the Engine layer refuses."""
+    in_vocab = rf"expected a token id in the vocabulary \[0, {vocab}\)"
+    return {
+        "request-id-not-str": ("generate", (7, [5], greedy(2)), "request_id: expected a str, got int 7"),
+        "params-not-sampling-params": (
+            "generate",
+            ("p", [5], {"max_new_tokens": 2}),
+            "params: expected SamplingParams",
+        ),
+        "prompt-not-a-list": ("generate", ("s", "5 6", greedy(2)), "input_ids: expected a list of token ids, got str"),
+        "empty-prompt": ("generate", ("e", [], greedy(2)), "input_ids: empty; expected at least one token id"),
+        "id-past-vocab": ("generate", ("v", [1, vocab], greedy(2)), rf"input_ids\[1\]: {in_vocab}, got {vocab}"),
+        "negative-id": ("generate", ("n", [-1, 4], greedy(2)), rf"input_ids\[0\]: {in_vocab}, got -1"),
+        "float-id": ("generate", ("f", [4, 2.0], greedy(2)), rf"input_ids\[1\]: {in_vocab}, got 2.0"),
+        "bool-id": ("generate", ("b", [True], greedy(2)), rf"input_ids\[0\]: {in_vocab}, got True"),
+        "stop-id-past-vocab": (
+            "generate",
+            ("t", [5], greedy(2, stop_token_ids=(3, vocab))),
+            rf"params.stop_token_ids\[1\]: {in_vocab}, got {vocab}",
+        ),
+        "prompt-and-output-past-max-len": (
+            "generate",
+            ("l", [5] * 10, greedy(max_len - 9)),
+            rf"input_ids \+ params.max_new_tokens: 10 \+ {max_len - 9} = {max_len + 1} tokens, beyond the "
+            rf"engine's max_len of {max_len}",
+        ),
+        "score-empty": ("score", ([],), "input_ids: empty"),
+        "score-id-past-vocab": ("score", ([3, vocab + 7],), rf"input_ids\[1\]: {in_vocab}, got {vocab + 7}"),
+        "score-past-max-len": (
+            "score",
+            ([5] * (max_len + 1),),
+            f"score input_ids: {max_len + 1} tokens, beyond the engine's max_len of {max_len}",
+        ),
+        "score-top-k-past-vocab": ("score", ([5, 6], vocab + 1), f"score top_k: expected 0..{vocab}, got {vocab + 1}"),
+        "score-start-past-end": ("score", ([5, 6], 0, 2), "score start: expected a position in 0..1, got 2"),
+    }
+
+
+BAD_INPUTS = sorted(bad_inputs(vocab=512, max_len=96))  # the case names, the same for every engine
 
 
 class EngineConformance:
@@ -228,19 +271,25 @@ class EngineConformance:
                 mass_above = probs[position][probs[position] > probs[position, token]].sum().item()
                 assert mass_above < 0.5, f"token {token} at {position} is outside the 0.5 nucleus"
 
+    @pytest.mark.parametrize("case", BAD_INPUTS)
     @async_case
-    async def test_bad_inputs_raise_clear_errors(self, engine, engine_spec):
+    async def test_each_bad_input_is_refused_by_the_engine_layer_before_the_engine_sees_it(
+        self, engine, engine_spec, monkeypatch, case
+    ):
+        method, args, error = bad_inputs(engine_spec.vocab_size, engine_spec.max_len)[case]
+
+        async def unreachable(*args):
+            raise AssertionError(f"the engine itself was called with {args}")
+
+        monkeypatch.setattr(engine, f"_{method}", unreachable)
+        with pytest.raises(SchemaError, match=error):
+            await getattr(engine, method)(*args)
+        with pytest.raises(AssertionError, match="the engine itself was called"):  # good input goes through
+            await getattr(engine, method)(*(("ok", [5, 6], greedy(2)) if method == "generate" else ([5, 6],)))
+
+    @async_case
+    async def test_a_request_id_is_refused_while_a_request_with_it_runs(self, engine, engine_spec):
         vocab, max_len = engine_spec.vocab_size, engine_spec.max_len
-        with pytest.raises(ValueError, match="input_ids.*empty"):
-            await engine.generate("e", [], greedy(2))
-        with pytest.raises(ValueError, match=rf"input_ids.*vocabulary.*{vocab}"):
-            await engine.generate("v", [1, vocab], greedy(2))
-        with pytest.raises(ValueError, match="input_ids.*vocabulary"):
-            await engine.generate("n", [-1, 4], greedy(2))
-        with pytest.raises(ValueError, match=f"max_new_tokens.*max_len.*{max_len}"):
-            await engine.generate("l", [5] * 10, greedy(max_len - 9))
-        with pytest.raises(ValueError, match="input_ids"):
-            await engine.score([3, vocab + 7])
         task = asyncio.create_task(engine.generate("dup", prompt(12, vocab_size=vocab), greedy(max_len - 6)))
         await probe(engine)
         with pytest.raises(ValueError, match="request_id 'dup'.*running"):

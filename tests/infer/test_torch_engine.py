@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from meshy.dataplane import SchemaError
+from meshy.dataplane.model_source import read_model
 from meshy.dataplane.weights import CorruptWeights, read_published
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
-from meshy.infer.torch_engine import TorchEngine, read_model
+from meshy.infer.torch_engine import TorchEngine
 from meshy.infer.torch_model import ModelConfig, load_model
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
@@ -160,7 +161,10 @@ def damage(file, how) -> None:
 
 @pytest.mark.parametrize(
     ("how", "error"),
-    [(truncated, r"v2: model.safetensors is unreadable: .*incomplete metadata"), (bit_flipped, r"v2 at .*: checksum")],
+    [
+        (truncated, r"v2: model source .*/model.safetensors: not a readable safetensors file \(.*incomplete metadata"),
+        (bit_flipped, r"v2 at .*: checksum"),
+    ],
 )
 @async_case
 async def test_a_damaged_published_version_is_refused_whole(tmp_path, how, error):

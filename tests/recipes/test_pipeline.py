@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshy.infer.torch_engine import read_model
+from meshy.dataplane.model_source import read_model
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.roles.rollout import FREE_BATCHES
 from meshy.train.parallel import ParallelConfig, build_model

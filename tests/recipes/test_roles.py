@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshy.dataplane import SchemaError
-from meshy.infer.torch_engine import read_model
+from meshy.dataplane.model_source import read_model
 from meshy.recipes.context import RoleContext
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.reference_weights import publish_reference, wait_for_reference

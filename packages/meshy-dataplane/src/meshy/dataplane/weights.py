@@ -5,17 +5,17 @@ this host), its size and a checksum of its tensors. `read_published` verifies th
 returns anything, so a truncated or corrupted version is refused whole.
 """
 
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from multiprocessing import shared_memory
-from pathlib import Path
 
 import torch
 import xxhash
-from safetensors.torch import load_file
 
 from meshy.dataplane.errors import DataPlaneError, SchemaError
+from meshy.dataplane.hf_directory import HFDirectory
 
 WEIGHTS_STREAM = "weights"
 DISK = "hf-safetensors"
@@ -77,25 +77,42 @@ def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
 def read_published(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, HF name -> tensor) of a version, after verifying its checksum."""
     if published.format == DISK:
-        directory = Path(published.location)
-        if not directory.is_dir():
-            raise CorruptWeights(f"weights v{published.version}: no directory {directory}")
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in sorted(directory.glob("*.safetensors")):
-            try:
-                tensors.update(load_file(shard))
-            except Exception as e:  # safetensors raises its own error types for truncated or bad files
-                raise CorruptWeights(f"weights v{published.version}: {shard.name} is unreadable: {e}") from None
-        if tensors_checksum(tensors) != published.checksum:
-            raise CorruptWeights(f"weights v{published.version} at {directory}: checksum mismatch")
-        try:  # not covered by the checksum
-            config = json.loads((directory / "config.json").read_bytes())
-        except (OSError, ValueError) as e:
-            raise CorruptWeights(f"weights v{published.version}: config.json is unreadable: {e}") from None
-        return config, tensors
+        with _corrupt_if_unreadable(published):
+            directory = HFDirectory.open(published.location)
+            tensors = dict(directory.tensors())
+            _check_checksum(published, tensors_checksum(tensors))
+            return directory.config(), tensors  # config.json is not covered by the checksum
     if published.format == SHARED_MEMORY:
         return _read_shared_memory(published)
     raise SchemaError(f"weights v{published.version}: format {published.format!r} is not {DISK} or {SHARED_MEMORY}")
+
+
+def verify_published(published: Published) -> tuple[HFDirectory, dict, dict[str, tuple[int, ...]]]:
+    """A published directory's (directory, config.json, tensor shapes), after checking its tensors against
+    the announced checksum. Holds one tensor at a time (read_published holds the whole model)."""
+    if published.format != DISK:
+        raise SchemaError(f"weights v{published.version}: format {published.format!r}: expected {DISK}")
+    with _corrupt_if_unreadable(published):
+        directory = HFDirectory.open(published.location)
+        digests, shapes = {}, {}
+        for name, tensor in directory.tensors():
+            digests[name], shapes[name] = tensor_digest(tensor), tuple(tensor.shape)
+        _check_checksum(published, combine_digests(digests))
+        return directory, directory.config(), shapes
+
+
+@contextlib.contextmanager
+def _corrupt_if_unreadable(published: Published) -> Iterator[None]:
+    """A published directory that cannot be read is a corrupt version (it was complete when announced)."""
+    try:
+        yield
+    except SchemaError as e:
+        raise CorruptWeights(f"weights v{published.version}: {e}") from None
+
+
+def _check_checksum(published: Published, checksum: str) -> None:
+    if checksum != published.checksum:
+        raise CorruptWeights(f"weights v{published.version} at {published.location}: checksum mismatch")
 
 
 def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -8,7 +8,7 @@ between decode steps; tokens already produced keep their version.
 
 import abc
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -76,25 +76,73 @@ class Scores:
 WeightsSource = Published | Mapping[str, torch.Tensor]
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class EngineClosed(RuntimeError):
     """The engine was closed (or its worker failed) before the call could run."""
 
 
 class Engine(abc.ABC):
     """A generation backend. `weight_version` is the version the next token will be produced by.
+    `vocab_size` and `max_len` (the most tokens of prompt + output) bound every input: `generate` and
+    `score` check theirs here, for every engine, before the engine's `_generate` / `_score` sees them.
     `records_routing`: every Generation carries routed_experts (a mixture-of-experts model on an engine
     that records its routing)."""
 
     weight_version: int
+    vocab_size: int
+    max_len: int
     records_routing: bool = False
 
-    @abc.abstractmethod
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
         """Generate a continuation; returns when it finishes (stop, length or abort)."""
+        if not isinstance(request_id, str):
+            raise SchemaError(f"request_id: expected a str, got {type(request_id).__name__} {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise SchemaError(f"params: expected SamplingParams, got {type(params).__name__}")
+        self._check_ids("input_ids", input_ids)
+        self._check_ids("params.stop_token_ids", params.stop_token_ids, may_be_empty=True)
+        total = len(input_ids) + params.max_new_tokens
+        if total > self.max_len:
+            raise SchemaError(
+                f"input_ids + params.max_new_tokens: {len(input_ids)} + {params.max_new_tokens} = {total} tokens, "
+                f"beyond the engine's max_len of {self.max_len}"
+            )
+        return await self._generate(request_id, list(input_ids), params)
 
-    @abc.abstractmethod
     async def score(self, input_ids: list[int], top_k: int = 0, start: int = 0) -> Scores:
         """Log-probabilities of a given sequence from position `start` on (and the top-k at each)."""
+        self._check_ids("input_ids", input_ids)
+        if len(input_ids) > self.max_len:
+            raise SchemaError(
+                f"score input_ids: {len(input_ids)} tokens, beyond the engine's max_len of {self.max_len}"
+            )
+        if not _is_int(top_k) or not 0 <= top_k <= self.vocab_size:
+            raise SchemaError(f"score top_k: expected 0..{self.vocab_size}, got {top_k!r}")
+        if not _is_int(start) or not 0 <= start < len(input_ids):
+            raise SchemaError(f"score start: expected a position in 0..{len(input_ids) - 1}, got {start!r}")
+        return await self._score(list(input_ids), top_k, start)
+
+    @abc.abstractmethod
+    async def _generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
+        """`generate`, its input checked."""
+
+    @abc.abstractmethod
+    async def _score(self, input_ids: list[int], top_k: int, start: int) -> Scores:
+        """`score`, its input checked."""
+
+    def _check_ids(self, name: str, ids: Sequence[int], may_be_empty: bool = False) -> None:
+        if not isinstance(ids, list | tuple):
+            raise SchemaError(f"{name}: expected a list of token ids, got {type(ids).__name__}")
+        if not ids and not may_be_empty:
+            raise SchemaError(f"{name}: empty; expected at least one token id")
+        for i, token in enumerate(ids):
+            if not _is_int(token) or not 0 <= token < self.vocab_size:
+                raise SchemaError(
+                    f"{name}[{i}]: expected a token id in the vocabulary [0, {self.vocab_size}), got {token!r}"
+                )
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -35,7 +35,6 @@ What SGLang cannot do here, and what happens instead:
 import asyncio
 import atexit
 import contextlib
-import json
 import logging
 import multiprocessing
 import os
@@ -48,18 +47,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from meshy.dataplane import SchemaError
-from meshy.dataplane.weights import (
-    DISK,
-    SHARED_MEMORY,
-    CorruptWeights,
-    Published,
-    combine_digests,
-    read_published,
-    tensor_digest,
-)
+from meshy.dataplane.hf_directory import HFDirectory, check_tensor_shapes
+from meshy.dataplane.weights import DISK, SHARED_MEMORY, Published, read_published, verify_published
 from meshy.infer.engine import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -100,68 +91,8 @@ class SGLangError(RuntimeError):
     """SGLang refused or failed an operation; its own message is included."""
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """An HF checkpoint directory: its config.json and its tensors' shapes."""
-
-    directory: Path
-    config: dict
-    shapes: dict[str, tuple[int, ...]]
-
-
-def _shards(directory: Path) -> list[Path]:
-    shards = sorted(directory.glob("*.safetensors"))
-    if not (directory / "config.json").is_file() or not shards:
-        raise SchemaError(f"model source {directory}: expected config.json and *.safetensors in a directory")
-    return shards
-
-
-def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
-    """A checkpoint's config and shapes, from the safetensors headers (no tensor is read)."""
-    directory = Path(directory)
-    shapes = {}
-    for shard in _shards(directory):
-        with safe_open(shard, "pt") as tensors:
-            shapes.update({name: tuple(tensors.get_slice(name).get_shape()) for name in tensors.keys()})  # noqa: SIM118
-    return Checkpoint(directory, json.loads((directory / "config.json").read_text()), shapes)
-
-
-def verify_published(published: Published) -> Checkpoint:
-    """A published directory's checkpoint, after checking its tensors against the announced checksum.
-    Reads one tensor at a time (read_published would hold the whole model in host memory)."""
-    directory = Path(published.location)
-    if not directory.is_dir():
-        raise CorruptWeights(f"weights v{published.version}: no directory {directory}")
-    digests, shapes = {}, {}
-    for shard in _shards(directory):
-        try:
-            with safe_open(shard, "pt") as tensors:
-                for name in tensors.keys():  # noqa: SIM118
-                    tensor = tensors.get_tensor(name)
-                    digests[name], shapes[name] = tensor_digest(tensor), tuple(tensor.shape)
-        except Exception as e:  # safetensors raises its own error types for truncated or bad files
-            raise CorruptWeights(f"weights v{published.version}: {shard.name} is unreadable: {e}") from None
-    if combine_digests(digests) != published.checksum:
-        raise CorruptWeights(f"weights v{published.version} at {directory}: checksum mismatch")
-    return Checkpoint(directory, json.loads((directory / "config.json").read_text()), shapes)
-
-
 def _model_identity(config: Mapping) -> dict:
     return {k: v for k, v in config.items() if k not in _CONFIG_KEYS_NOT_COMPARED}
-
-
-def _check_tensor_shapes(version: int, shapes: Mapping[str, tuple[int, ...]], expected: Mapping) -> None:
-    """A weights version must name exactly the engine's tensors, in their shapes: SGLang would load a
-    partial or misshapen version halfway before failing."""
-    if missing := sorted(expected.keys() - shapes.keys()):
-        raise SchemaError(f"weights v{version}: missing tensor {missing[0]}")
-    if unexpected := sorted(shapes.keys() - expected.keys()):
-        raise SchemaError(f"weights v{version}: unexpected tensor {unexpected[0]}")
-    if misshapen := [name for name in sorted(shapes) if tuple(shapes[name]) != tuple(expected[name])]:
-        name = misshapen[0]
-        raise SchemaError(
-            f"weights v{version}: tensor {name} has shape {tuple(shapes[name])}, expected {expected[name]}"
-        )
 
 
 def bucket_names(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
@@ -316,15 +247,14 @@ class SGLangEngine(Engine):
                     f"SGLangEngine source: a {source.format} version cannot start an engine; start from a "
                     f"{DISK} version or a directory, then update_weights"
                 )
-            checkpoint = verify_published(source)
+            directory, self.config, self._shapes = verify_published(source)
             version = source.version if version is None else version
         else:
-            checkpoint = read_checkpoint(source)
+            directory = HFDirectory.open(source)
+            self.config, self._shapes = directory.config(), directory.shapes()
             version = 0 if version is None else version
-        self.config = checkpoint.config
         self.vocab_size = int(self.config["vocab_size"])
         self.max_len = max_len
-        self._shapes = checkpoint.shapes
         self._version = version
         self._on_gpu = device != "cpu"
         self._colocate = colocate
@@ -336,7 +266,7 @@ class SGLangEngine(Engine):
 
         sglang = _import_sglang(device)
         args = {
-            "model_path": str(checkpoint.directory),
+            "model_path": str(directory.path),
             "device": device,
             "dtype": dtype,
             "context_length": max_len + _CONTEXT_SLACK,
@@ -392,32 +322,16 @@ class SGLangEngine(Engine):
         """True once `close` was called."""
         return self._close_started
 
-    # ---- the public coroutines (checks here, SGLang calls on the loop) ----
+    # ---- the public coroutines (input checked by Engine; SGLang calls on the loop) ----
 
-    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
-        self._check_ids(input_ids)
-        total = len(input_ids) + params.max_new_tokens
-        if total > self.max_len:
-            raise SchemaError(
-                f"input_ids + max_new_tokens: {len(input_ids)} + {params.max_new_tokens} = {total} tokens, "
-                f"beyond the engine's max_len of {self.max_len}"
-            )
+    async def _generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
         if params.seed is not None and not self._deterministic and not self._seed_warned:
             self._seed_warned = True
             log.warning("SGLangEngine without deterministic=True ignores SamplingParams.seed")
-        return await self._run(self._generate_on_loop(request_id, list(input_ids), params))
+        return await self._run(self._generate_on_loop(request_id, input_ids, params))
 
-    async def score(self, input_ids: list[int], top_k: int = 0, start: int = 0) -> Scores:
-        self._check_ids(input_ids)
-        if not 0 <= top_k <= self.vocab_size:
-            raise SchemaError(f"score top_k: expected 0..{self.vocab_size}, got {top_k}")
-        if not 0 <= start < len(input_ids):
-            raise SchemaError(f"score start: expected a position in 0..{len(input_ids) - 1}, got {start}")
-        if len(input_ids) > self.max_len:
-            raise SchemaError(
-                f"score input_ids: {len(input_ids)} tokens, beyond the engine's max_len of {self.max_len}"
-            )
-        return await self._run(self._score_on_loop(list(input_ids), top_k, start))
+    async def _score(self, input_ids: list[int], top_k: int, start: int) -> Scores:
+        return await self._run(self._score_on_loop(input_ids, top_k, start))
 
     async def abort(self, request_id: str) -> None:
         await self._run(self._abort_on_loop(request_id))
@@ -438,16 +352,18 @@ class SGLangEngine(Engine):
             if source.version != version:
                 raise SchemaError(f"update_weights version: {version} given for published version {source.version}")
             if source.format == DISK:
-                checkpoint = await asyncio.to_thread(verify_published, source)
-                self._check_model(version, checkpoint.config, checkpoint.shapes)
-                await self._run(self._update_from_disk_on_loop(version, checkpoint.directory))
+                directory, config, shapes = await asyncio.to_thread(verify_published, source)
+                self._check_model(version, config, shapes)
+                await self._run(self._update_from_disk_on_loop(version, directory.path))
                 return
             if source.format != SHARED_MEMORY:
                 raise SchemaError(f"weights v{version}: format {source.format!r} is not {DISK} or {SHARED_MEMORY}")
             config, source = await asyncio.to_thread(read_published, source)
             self._check_model(version, config, {name: tuple(t.shape) for name, t in source.items()})
-        else:
-            _check_tensor_shapes(version, {name: tuple(t.shape) for name, t in source.items()}, self._shapes)
+        else:  # checked here for the same reason as in _check_model
+            check_tensor_shapes(
+                f"weights v{version}", {name: tuple(t.shape) for name, t in source.items()}, self._shapes
+            )
         await self._run(self._update_from_tensors_on_loop(version, source))
 
     async def release(self) -> None:
@@ -756,15 +672,7 @@ class SGLangEngine(Engine):
             time.sleep(0.01)
 
     def _check_model(self, version: int, config: Mapping, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Checked before SGLang sees a version: it would load a partial or misshapen one halfway, then fail."""
         if _model_identity(config) != _model_identity(self.config):
             raise SchemaError(f"weights v{version}: config.json describes another model than the engine's")
-        _check_tensor_shapes(version, shapes, self._shapes)
-
-    def _check_ids(self, input_ids: list[int]) -> None:
-        if not input_ids:
-            raise SchemaError("input_ids: empty; expected at least one token id")
-        for i, token in enumerate(input_ids):
-            if not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise SchemaError(
-                    f"input_ids[{i}]: token id {token!r} is outside the vocabulary [0, {self.vocab_size})"
-                )
+        check_tensor_shapes(f"weights v{version}", shapes, self._shapes)

@@ -16,9 +16,7 @@ pending call raises EngineClosed naming the cause.
 import asyncio
 import contextlib
 import heapq
-import json
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -27,13 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from meshy.dataplane import HOST, SchemaError, free_cached
+from meshy.dataplane.model_source import ModelSource, read_model
 from meshy.dataplane.weights import DTYPES, Published, read_published
 from meshy.infer import sampling
 from meshy.infer.engine import (
@@ -50,44 +46,9 @@ from meshy.infer.engine import (
 from meshy.infer.routing_log import EXPERT_ID_DTYPE, RoutingLog
 from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_model
 
-# A published version (verified), an HF checkpoint directory (config.json and *.safetensors, sharded or
-# not), or a config.json dict with HF-named tensors.
-ModelSource = Published | str | os.PathLike | tuple[Mapping, Mapping[str, torch.Tensor]]
 PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most (bounds its activations)
 SPAN_STEP = 64  # decode attention spans are multiples of it (decode_shape)
 log = logging.getLogger(__name__)
-
-
-def read_model(source: ModelSource) -> tuple[dict, Mapping[str, torch.Tensor]]:
-    """(config.json as a dict, HF name -> tensor) of a model source."""
-    if isinstance(source, Published):
-        return read_published(source)
-    if isinstance(source, tuple):
-        config, tensors = source
-        return dict(config), tensors
-    directory = Path(source)
-    shards = sorted(directory.glob("*.safetensors"))
-    if not (directory / "config.json").is_file() or not shards:
-        raise SchemaError(f"model source {directory}: expected config.json and *.safetensors in a directory")
-    config = config_json(directory / "config.json")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        try:
-            tensors.update(load_file(shard))
-        except (SafetensorError, OSError) as e:  # a truncated or garbled file: no checksum to tell us more
-            raise SchemaError(f"model source {shard}: not a readable safetensors file ({e})") from None
-    return config, tensors
-
-
-def config_json(path: Path) -> dict:
-    """A model directory's config.json as a dict, or a SchemaError naming the file."""
-    try:
-        config = json.loads(path.read_bytes())
-    except ValueError as e:
-        raise SchemaError(f"model source {path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise SchemaError(f"model source {path}: expected a JSON object, got {type(config).__name__}")
-    return config
 
 
 @dataclass(eq=False)
@@ -443,7 +404,7 @@ class TorchEngine(Engine):
             raise SchemaError(f"TorchEngine dtype: expected one of {list(DTYPES)}, got {dtype!r}")
         config, tensors = read_model(source)
         self.config = ModelConfig.from_hf(config)
-        self.max_len = max_len
+        self.vocab_size, self.max_len = self.config.vocab_size, max_len
         if version is None:
             version = source.version if isinstance(source, Published) else 0
         device = torch.device(device)
@@ -473,20 +434,13 @@ class TorchEngine(Engine):
 
     # ---- the public coroutines ----
 
-    async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
-        self._check_ids(input_ids)
-        total = len(input_ids) + params.max_new_tokens
-        if total > self.max_len:
-            raise SchemaError(
-                f"input_ids + max_new_tokens: {len(input_ids)} + {params.max_new_tokens} = {total} tokens, "
-                f"beyond the engine's max_len of {self.max_len}"
-            )
+    async def _generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
         with self._lock:
             if request_id in self._active:
                 raise SchemaError(f"request_id {request_id!r}: a request with this id is already running")
             self._active.add(request_id)
         stop_ids = frozenset(self.config.eos_token_ids) | frozenset(params.stop_token_ids)
-        request = _Request(request_id, list(input_ids), params, stop_ids, Future())
+        request = _Request(request_id, input_ids, params, stop_ids, Future())
         try:
             self._post(request)
             return await asyncio.wrap_future(request.done)
@@ -498,13 +452,8 @@ class TorchEngine(Engine):
             with self._lock:
                 self._active.discard(request_id)
 
-    async def score(self, input_ids: list[int], top_k: int = 0, start: int = 0) -> Scores:
-        self._check_ids(input_ids)
-        if not 0 <= top_k <= self.config.vocab_size:
-            raise SchemaError(f"score top_k: expected 0..{self.config.vocab_size}, got {top_k}")
-        if not 0 <= start < len(input_ids):
-            raise SchemaError(f"score start: expected a position in 0..{len(input_ids) - 1}, got {start}")
-        return await self._call(partial(self._scheduler.score, list(input_ids), top_k, start), needs_device=True)
+    async def _score(self, input_ids: list[int], top_k: int, start: int) -> Scores:
+        return await self._call(partial(self._scheduler.score, input_ids, top_k, start), needs_device=True)
 
     async def abort(self, request_id: str) -> None:
         await self._call(partial(self._scheduler.abort, request_id))
@@ -585,11 +534,3 @@ class TorchEngine(Engine):
         call = _Call(fn, Future(), needs_device)
         self._post(call)
         return await asyncio.wrap_future(call.done)
-
-    def _check_ids(self, input_ids: list[int]) -> None:
-        if not input_ids:
-            raise SchemaError("input_ids: empty; expected at least one token id")
-        vocab = self.config.vocab_size
-        for i, token in enumerate(input_ids):
-            if not isinstance(token, int) or not 0 <= token < vocab:
-                raise SchemaError(f"input_ids[{i}]: token id {token!r} is outside the vocabulary [0, {vocab})")

@@ -15,6 +15,7 @@ from torch import nn
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.fields import check_fields
+from meshy.dataplane.hf_directory import check_tensor_shapes
 
 LLAMA = "LlamaForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
@@ -342,21 +343,11 @@ class DecoderModel(nn.Module):
         """Copy HF-named tensors in (converted to the model's dtype and device). Every name and shape is
         checked first, so a set that does not fit changes nothing."""
         params = self.state_dict()
-        names = set(tensors)
+        shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
         if self.lm_head is None:
-            names.discard(LM_HEAD)  # some tied checkpoints store it anyway; HF ignores it too
-        arch = self.config.architecture
-        missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
-        if missing:
-            raise SchemaError(f"weights for {arch}: missing tensor {missing[0]} ({len(missing)} missing in all)")
-        if unexpected:
-            raise SchemaError(f"weights for {arch}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all)")
-        for name, param in params.items():
-            if tuple(tensors[name].shape) != tuple(param.shape):
-                raise SchemaError(
-                    f"weights for {arch}: tensor {name} has shape {tuple(tensors[name].shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
+            shapes.pop(LM_HEAD, None)  # some tied checkpoints store it anyway; HF ignores it too
+        expected = {name: tuple(param.shape) for name, param in params.items()}
+        check_tensor_shapes(f"weights for {self.config.architecture}", shapes, expected)
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(tensors[name])

@@ -1,8 +1,9 @@
 """The engine a recipe names (`sampling.engine`), built for one role process: the inference role's
 generator and the teacher role's scorer both come from here."""
 
+from meshy.dataplane.model_source import ModelSource
 from meshy.infer.engine import Engine
-from meshy.infer.torch_engine import ModelSource, TorchEngine
+from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.context import RoleContext
 
 

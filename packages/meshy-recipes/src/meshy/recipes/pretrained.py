@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from meshy.dataplane import SchemaError
-from meshy.infer.torch_engine import config_json, read_model
+from meshy.dataplane.hf_directory import HFDirectory
+from meshy.dataplane.model_source import read_model
 from meshy.infer.torch_model import ModelConfig
 from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import load_weights
@@ -63,17 +64,18 @@ def check_init(init: str, arch: DecoderArch) -> None:
         if get_model(entry.model) != arch:
             raise SchemaError(f"init: {init!r} holds a {entry.model} model; model.name and overrides must match it")
         return
-    directory = Path(init)
-    if not (directory / "config.json").is_file() or not any(directory.glob("*.safetensors")):
+    try:
+        directory = HFDirectory.open(init)
+    except SchemaError as e:
         raise SchemaError(
             f'init: expected "{SCRATCH}", "{HUB_PREFIX}<owner/name>", "{GGUF_PREFIX}<name>" or an HF directory '
-            f"with config.json and *.safetensors, got {init!r}"
-        )
-    config = ModelConfig.from_hf(config_json(directory / "config.json"))
+            f"with config.json and *.safetensors, got {init!r} ({e})"
+        ) from None
+    config = ModelConfig.from_hf(directory.config())
     for name in (f.name for f in fields(ModelConfig)):
         if hasattr(arch, name) and getattr(config, name) != getattr(arch, name):
             raise SchemaError(
-                f"init: {directory / 'config.json'} has {name} = {getattr(config, name)!r}, the model expects "
+                f"init: {directory.path / 'config.json'} has {name} = {getattr(config, name)!r}, the model expects "
                 f"{getattr(arch, name)!r}"
             )
 
