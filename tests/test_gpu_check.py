@@ -21,14 +21,6 @@ def check(out: Path, *args: str, timeout: float = 900) -> tuple[int, list[dict],
     return result.returncode, summary, (out / "summary.md").read_text()
 
 
-def test_the_bench_stages_run_and_report_their_tables(tmp_path):
-    code, summary, markdown = check(tmp_path, "--stages", "imports", "generate", "train-step", "--budget", "600")
-    assert [(s["name"], s["status"]) for s in summary] == [("imports", "ok"), ("generate", "ok"), ("train-step", "ok")]
-    assert code == 0
-    assert "| qwen3-tiny | equal |" in markdown and "| meshy training service " in markdown
-    assert "torch" in (tmp_path / "stages.log").read_text()
-
-
 def test_a_spent_budget_skips_the_rest_and_fails_the_check(tmp_path):
     code, summary, markdown = check(tmp_path, "--stages", "imports", "--budget", "5", timeout=60)
     assert code == 1
@@ -47,7 +39,7 @@ def test_a_spent_budget_skips_the_rest_and_fails_the_check(tmp_path):
 
 @pytest.mark.slow
 def test_every_stage_passes_on_the_cpu(tmp_path):
-    code, summary, _ = check(tmp_path, "--budget", "1500", timeout=1800)
+    code, summary, markdown = check(tmp_path, "--budget", "1500", timeout=1800)
     assert [(s["name"], s["status"]) for s in summary] == [
         (name, "ok")
         for name in (
@@ -62,6 +54,8 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
         )
     ], summary
     assert code == 0
+    assert "| qwen3-tiny | equal |" in markdown and "| meshy training service " in markdown
+    assert "torch" in (tmp_path / "stages.log").read_text()
     runs = {s["name"]: s["figures"] for s in summary}
     for name in ("default-colocated", "ring-0.6b"):
         assert runs[name]["versions_in_order"] and runs[name]["audit_clean"], runs[name]

@@ -286,6 +286,7 @@ def test_the_same_recipe_and_seed_replay_the_same_rewards_in_lock_step(tmp_path)
     assert len({reward for _, _, reward, _, _ in first}) > 1, "rewards that vary, so equality means something"
 
 
+@pytest.mark.slow  # the default tier resumes a killed GRPO run; this adds the critic's checkpoints
 def test_a_killed_ppo_run_resumes_its_critic_from_the_checkpoint_of_the_policy_version(tmp_path):
     steps = 10
     recipe = small_recipe(tmp_path, "1", tail="\n[roles.critic]\nprocesses = 1\n", steps=steps)

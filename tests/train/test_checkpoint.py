@@ -25,6 +25,7 @@ def run(mode: str, tmp_path: Path) -> dict:
     return json.loads((tmp_path / mode).read_text())
 
 
+@pytest.mark.slow  # two torchrun ranks, twice; the default tier resumes one-process runs
 def test_resuming_a_two_rank_fsdp_trainer_reproduces_the_next_steps_bit_for_bit(tmp_path):
     trained = run("train", tmp_path)
     saved = checkpoint.latest(tmp_path / "ckpt")
