@@ -47,7 +47,7 @@ class TrainServiceConfig:
     routed_experts and replay it in every forward (a mixture-of-experts model only)."""
 
     table: str = "rollout"
-    task: str = "train"
+    task: str = cols.TRAIN_TASK.name
     groups_per_rank: int = 1
     minibatches: int = 1
     max_staleness: int | None = None
@@ -73,16 +73,13 @@ class TrainServiceConfig:
 
     @property
     def columns(self) -> list[str]:
-        names = [cols.PROMPT_IDS, cols.RESPONSE_IDS, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.ADVANTAGE]
-        if self.report_reward:
-            names.append(cols.REWARD)
-        if self.distill:
-            names += [cols.TEACHER_TOPK_IDS, cols.TEACHER_TOPK_LOGPROBS]
-        if self.kl_to_reference:
-            names.append(cols.REF_LOGPROBS)
-        if self.routing_replay:
-            names.append(cols.ROUTED_EXPERTS)
-        return names
+        task = cols.train_with(
+            reward=self.report_reward,
+            teacher=self.distill,
+            reference=self.kl_to_reference,
+            routed_experts=self.routing_replay,
+        )
+        return list(task.reads)
 
 
 class MetricsLog:
