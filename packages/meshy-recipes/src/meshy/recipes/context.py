@@ -6,12 +6,14 @@ own record file in the run directory (`records/<role>-<index>.jsonl`), from whic
 rebuilds the audit.
 """
 
+import asyncio
 import json
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from meshy.dataplane import DataPlaneClient
 from meshy.dataplane import rollout as cols
@@ -19,6 +21,7 @@ from meshy.recipes.recipe import Recipe
 from meshy.recipes.topology import Slot
 
 RUN_STREAM = "run"
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,6 +55,17 @@ class RoleContext:
         thread = threading.Thread(target=watch, name="meshy-stop-watch", daemon=True)
         thread.start()
         return thread
+
+    async def until_stopped(self, serve: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+        """Run an asyncio service, `serve(stop)`, until the run stops: `stop` (a flag threads set) becomes
+        the asyncio event the service watches. Returns what the service returned, when it ends on its own
+        or once it has finished after the stop."""
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(serve(stop))
+        while not self.stop.is_set() and not serving.done():
+            await asyncio.wait([serving], timeout=0.2)
+        stop.set()
+        return await serving
 
 
 def announce_stop(client: DataPlaneClient, reason: str) -> None:
