@@ -108,9 +108,8 @@ class RolloutRole:
     # ---- rewards ------------------------------------------------------------------------------
     def score(self) -> None:
         client, table = self.ctx.client, self.ctx.table
-        eos = self.tokenizer.eos_token_id
+        eos, task = self.tokenizer.eos_token_id, cols.REWARD_TASK
         while not self.ctx.stop.is_set():
-            task = cols.REWARD_TASK
             batch = client.lease(table, task.name, list(task.reads), count=256, min_count=1, timeout=0.5)
             if batch is None:
                 continue
