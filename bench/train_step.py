@@ -125,7 +125,7 @@ def step_times(args: argparse.Namespace, arch: DecoderArch, shape: Shape) -> dic
     times: dict[str, list[float]] = {"plain torch loop": [], "meshy training service": []}
     secret = new_secret()
     with DataPlaneServer.start(secret) as server, DataPlaneClient(server.endpoints, secret) as client:
-        client.create_table(cols.rollout_table("rollout", group_size=shape.group, retire_after=("train",)))
+        client.create_table(cols.rollout_table("rollout", group_size=shape.group, tasks=(cols.TRAIN_TASK,)))
         trainer = PolicyTrainer(model, OptimConfig(lr=LR), LossConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH))
         service = TrainingService(client, trainer, NoPublish(), TrainServiceConfig(groups_per_rank=shape.groups))
         produce(client, 0, arch.vocab_size, shape)  # rollout runs a batch ahead of training, as in a pipelined run

@@ -113,7 +113,7 @@ def test_a_policy_step_replaying_a_mixture_s_routing_creates_every_tensor_where_
 
 
 def test_the_training_service_builds_and_trains_its_batches_on_its_model_s_device(client, unique, tmp_path):
-    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     put_groups(client, table, range(4), 2, ARCH.vocab_size)
     model, _ = build_model(ARCH, ParallelConfig(), device=CPU, seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-3), LossConfig())
@@ -128,7 +128,7 @@ def test_the_training_service_builds_and_trains_its_batches_on_its_model_s_devic
 
 def test_the_training_service_builds_replayed_routing_on_its_model_s_device(client, unique):
     layers, top_k = MOE.num_hidden_layers, MOE.num_experts_per_tok
-    spec = cols.rollout_table(unique("rollout"), group_size=2, routed_experts=(layers, top_k), retire_after=("train",))
+    spec = cols.rollout_table(unique("rollout"), group_size=2, routed_experts=(layers, top_k), tasks=(cols.TRAIN_TASK,))
     table = client.create_table(spec).name
     rows = put_groups(client, table, range(4), 2, MOE.vocab_size)
     add_routing(client, table, rows, layers, top_k, MOE.num_experts)

@@ -4,7 +4,7 @@ and never gives them back, the way a hung scorer or engine would."""
 import time
 
 from meshy.dataplane import rollout as cols
-from meshy.recipes.context import GROUND_TRUTH, RoleContext
+from meshy.recipes.context import RoleContext
 
 
 class Hoarder:
@@ -15,7 +15,7 @@ class Hoarder:
         held = None
         while held is None:  # competes with rollout's scorer for the reward task's rows
             held = self.ctx.client.lease(
-                self.ctx.table, "reward", [cols.RESPONSE_IDS, GROUND_TRUTH], count=4, lease_s=3600, timeout=5
+                self.ctx.table, cols.REWARD_TASK.name, list(cols.REWARD_TASK.reads), count=4, lease_s=3600, timeout=5
             )
         self.ctx.record("hoarding", rows=len(held.row_ids))
         while True:

@@ -132,7 +132,7 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
 def test_a_custom_role_from_a_test_module_writes_its_own_column(tmp_path):
     extra = (
         '\n[[roles.custom]]\nname = "scorer"\ncls = "tests.recipes.custom_role:LengthScorer"\n'
-        'options = { column = "rm_score" }\ntask = "length_scorer"\n'
+        'options = { column = "rm_score" }\ntask = "length_scorer"\nreads = ["response_ids"]\nwrites = ["rm_score"]\n'
     )
     columns = '\n[[extra_columns]]\nname = "rm_score"\ndtype = "float32"\n'
     run_dir = run(small_recipe(tmp_path, "1", top="", tail=extra + columns))

@@ -135,7 +135,7 @@ def test_kl_to_the_reference_runs_a_reference_role_that_may_share_the_trainer_s_
 
 def test_a_routing_replay_recipe_declares_the_routed_experts_column(tmp_path):
     from meshy.dataplane import rollout as cols
-    from meshy.recipes.context import rollout_table
+    from meshy.recipes.dataflow import rollout_table
 
     recipe = recipe_from(tmp_path, moe_replay(DEFAULT))
     assert recipe.algorithm.routing_replay

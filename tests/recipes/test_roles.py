@@ -132,3 +132,39 @@ def test_the_recipe_s_model_dtype_reaches_trainer_publisher_and_engines(monkeypa
 def load_recipe_text(tmp_path, text: str):
     (tmp_path / "other.toml").write_text(text)
     return load_recipe(tmp_path / "other.toml")
+
+
+def _context(tmp_path) -> RoleContext:
+    recipe = load_recipe()
+    return RoleContext(recipe, assign(recipe, recipe.world_size)[0], tmp_path, client=None)
+
+
+def test_an_async_service_stops_when_the_role_s_stop_flag_is_set_and_its_result_comes_back(tmp_path):
+    ctx = _context(tmp_path)
+    seen = []
+
+    async def serve(stop: asyncio.Event) -> str:
+        await stop.wait()
+        seen.append("stopped")
+        return "finished in flight"
+
+    async def main() -> str:
+        asyncio.get_running_loop().call_later(0.1, ctx.stop.set)  # the stop-watch thread's flag
+        return await ctx.until_stopped(serve)
+
+    assert asyncio.run(asyncio.wait_for(main(), timeout=10)) == "finished in flight" and seen == ["stopped"]
+
+
+def test_an_async_service_that_ends_or_fails_on_its_own_ends_the_bridge(tmp_path):
+    ctx = _context(tmp_path)
+
+    async def done(stop: asyncio.Event) -> int:
+        return 7
+
+    async def fails(stop: asyncio.Event) -> None:
+        raise RuntimeError("engine died")
+
+    assert asyncio.run(asyncio.wait_for(ctx.until_stopped(done), timeout=10)) == 7
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(asyncio.wait_for(ctx.until_stopped(fails), timeout=10))
+    assert not ctx.stop.is_set(), "the run's stop flag is the run's, not the service's"

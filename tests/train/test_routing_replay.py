@@ -134,7 +134,7 @@ def test_replay_refuses_a_dense_model_and_experts_of_the_wrong_shape():
 
 
 def test_the_training_service_replays_each_row_s_routing_and_drops_rows_it_cannot_replay(client, unique):
-    spec = cols.rollout_table(unique("rollout"), group_size=2, routed_experts=(2, 2), retire_after=("train",))
+    spec = cols.rollout_table(unique("rollout"), group_size=2, routed_experts=(2, 2), tasks=(cols.TRAIN_TASK,))
     table = client.create_table(spec).name
     rows = put_groups(client, table, range(3), 2, MOE.vocab_size)
     add_routing(client, table, rows[:4], 2, 2, MOE.num_experts)

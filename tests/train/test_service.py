@@ -24,7 +24,7 @@ ARCH = get_model("qwen3-tiny")
 
 
 def test_training_service_trains_whole_groups_acks_everything_and_publishes(client, unique, tmp_path):
-    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     put_groups(client, table, range(4), 2, ARCH.vocab_size)
     put_groups(client, table, range(4, 5), 2, ARCH.vocab_size, version=-5, seed=1)  # too stale to train
     put_groups(client, table, range(5, 6), 2, ARCH.vocab_size, seed=2)
@@ -70,7 +70,7 @@ def test_training_service_trains_whole_groups_acks_everything_and_publishes(clie
 
 
 def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, unique, tmp_path):
-    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     put_groups(client, table, range(4), 2, ARCH.vocab_size)
     model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -87,7 +87,7 @@ def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, uniq
 def test_the_same_groups_train_the_same_weights_whatever_order_they_became_ready(client, unique, tmp_path):
     weights = []
     for name, ready in (("forward", range(8)), ("shuffled", [5, 0, 7, 2, 6, 1, 4, 3])):
-        table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+        table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
         for group in ready:  # each group's rows depend only on its seed; the order only on `ready`
             put_groups(client, table, range(group, group + 1), 2, ARCH.vocab_size, seed=group)
         model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
@@ -113,7 +113,7 @@ def test_a_non_finite_loss_is_skipped_and_counted():
 
 
 def test_ranks_of_a_torchrun_trainer_lease_directly_and_versions_increase(client, unique, dataplane, secret, tmp_path):
-    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     rows = put_groups(client, table, range(6), 2, ARCH.vocab_size)
     stream = unique("weights")
     reader = client.reader(stream, "audit", start=1)
@@ -134,7 +134,7 @@ def test_ranks_of_a_torchrun_trainer_lease_directly_and_versions_increase(client
 def test_a_rank_that_starts_late_still_gets_its_rows_of_each_version(client, unique, dataplane, secret, tmp_path):
     """Lock-step rows (a version's groups appear only once the version before is published) and rank 0
     two seconds late: rank 1 must not prefetch, for its next version, the group rank 0 is waiting for."""
-    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, retire_after=("train",))).name
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     stream = unique("weights")
     reader = client.reader(stream, "pacing", start=1)
     env = {**os.environ, "PYTHONPATH": str(REPO), "MESHY_DATAPLANE_SECRET": secret.hex()}

@@ -1,10 +1,22 @@
-"""The rollout table: the columns RL roles exchange, defined once for every role.
+"""The rollout table: the columns RL roles exchange and the tasks that read and write them, defined once.
 
-rollout    writes prompt_ids (and group ids: the n samples of one prompt form a group)
-inference  writes response_ids, rollout_logprobs, token_versions, finish_reason, truncated (or error),
-           and routed_experts when the run replays a mixture-of-experts model's routing
-reward     writes reward; the advantage step writes advantage (and returns, with a critic)
-critic     writes values; teacher writes teacher_topk_ids / teacher_topk_logprobs
+The whole data flow, one task per edge (a task leases rows whose `reads` are ready, adds its `writes`,
+and acks; rows are freed once every task that `retires` them acked them):
+
+  prompts        ->  prompt_ids, ground_truth             (rollout puts new rows; it leases nothing)
+  generate       prompt_ids -> response_ids, rollout_logprobs, token_versions, finish_reason, truncated,
+                 error (+ routed_experts when the run replays a mixture-of-experts model's routing)
+  reward         response_ids, ground_truth -> reward     (per row)
+  advantage      reward, response_ids, whole groups -> advantage
+                 (with a critic: + values -> + returns, GAE)
+  critic_values  prompt_ids, response_ids -> values
+  critic_train   prompt_ids, response_ids, values, returns              retires rows
+  teacher        prompt_ids, response_ids -> teacher_topk_ids, teacher_topk_logprobs  (distillation)
+  reference      prompt_ids, response_ids -> ref_logprobs               (KL to the reference policy)
+  train          prompt_ids, response_ids, rollout_logprobs, token_versions, advantage, whole groups
+                 (+ reward to report it, + the teacher's top-k, + ref_logprobs, + routed_experts)
+                                                                        retires rows
+
 Per-token columns are aligned with response_ids. routed_experts [response tokens, layers, top_k] int16:
 entry i is the experts every MoE layer chose at the position whose logits gave response token i (the
 prompt's last position for token 0), the routing the trainer replays there. Only a table made for
@@ -12,9 +24,13 @@ routing replay declares it: dense models, and runs that do not replay, carry no 
 no row pays for it and no consumer has to tell an empty value from a missing one.
 """
 
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
 from meshy.dataplane.schema import Column, TableSpec
 
 PROMPT_IDS = "prompt_ids"
+GROUND_TRUTH = "ground_truth"
 RESPONSE_IDS = "response_ids"
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 TOKEN_VERSIONS = "token_versions"
@@ -31,17 +47,76 @@ TEACHER_TOPK_LOGPROBS = "teacher_topk_logprobs"
 ROUTED_EXPERTS = "routed_experts"
 
 
+@dataclass(frozen=True)
+class Task:
+    """A consumer of the rollout table: it leases rows whose `reads` are all ready and adds its
+    `writes` to them. retires: rows are not freed before this task acked them."""
+
+    name: str
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    retires: bool = False
+
+    def plus(self, reads: tuple[str, ...] = (), writes: tuple[str, ...] = ()) -> "Task":
+        """The same task reading and writing more columns (what a run's options add to it)."""
+        return replace(self, reads=self.reads + reads, writes=self.writes + writes)
+
+
+PROMPTS_TASK = Task("prompts", writes=(PROMPT_IDS, GROUND_TRUTH))
+GENERATE_TASK = Task(
+    "generate",
+    reads=(PROMPT_IDS,),
+    writes=(RESPONSE_IDS, ROLLOUT_LOGPROBS, TOKEN_VERSIONS, FINISH_REASON, TRUNCATED, ERROR),
+)
+REWARD_TASK = Task("reward", reads=(RESPONSE_IDS, GROUND_TRUTH), writes=(REWARD,))
+ADVANTAGE_TASK = Task("advantage", reads=(REWARD, RESPONSE_IDS), writes=(ADVANTAGE,))
+CRITIC_VALUES_TASK = Task("critic_values", reads=(PROMPT_IDS, RESPONSE_IDS), writes=(VALUES,))
+CRITIC_TRAIN_TASK = Task("critic_train", reads=(PROMPT_IDS, RESPONSE_IDS, VALUES, RETURNS), retires=True)
+TEACHER_TASK = Task("teacher", reads=(PROMPT_IDS, RESPONSE_IDS), writes=(TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS))
+REFERENCE_TASK = Task("reference", reads=(PROMPT_IDS, RESPONSE_IDS), writes=(REF_LOGPROBS,))
+TRAIN_TASK = Task("train", reads=(PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS, TOKEN_VERSIONS, ADVANTAGE), retires=True)
+
+
+def generate_with(routed_experts: bool = False) -> Task:
+    """GENERATE_TASK, also recording the engine's routing when the run replays it."""
+    return GENERATE_TASK.plus(writes=(ROUTED_EXPERTS,) if routed_experts else ())
+
+
+def advantage_with(values: bool = False) -> Task:
+    """ADVANTAGE_TASK; over a critic's values (GAE) it also writes the returns the critic trains on."""
+    return ADVANTAGE_TASK.plus(reads=(VALUES,), writes=(RETURNS,)) if values else ADVANTAGE_TASK
+
+
+def train_with(
+    reward: bool = False, teacher: bool = False, reference: bool = False, routed_experts: bool = False
+) -> Task:
+    """TRAIN_TASK plus what the run's loss and reports need: the reward (reported), the teacher's top-k
+    (distillation), the reference's logprobs (KL), the engine's routing (replay)."""
+    extra = (REWARD,) * reward + TEACHER_TASK.writes * teacher + REFERENCE_TASK.writes * reference
+    return TRAIN_TASK.plus(reads=extra + (ROUTED_EXPERTS,) * routed_experts)
+
+
+def unwritten(tasks: Iterable[Task]) -> list[tuple[Task, str]]:
+    """(task, column) for every column a task reads that none of `tasks` writes: rows would wait for
+    it forever."""
+    tasks = tuple(tasks)
+    written = {column for task in tasks for column in task.writes}
+    return [(task, column) for task in tasks for column in task.reads if column not in written]
+
+
 def rollout_table(
     name: str = "rollout",
     group_size: int = 1,
     teacher_topk: int = 0,
     routed_experts: tuple[int, int] | None = None,
-    retire_after: tuple[str, ...] = (),
+    tasks: Iterable[Task] = (),
     max_row_bytes: int = 64 << 20,
 ) -> TableSpec:
+    """tasks: the run's tasks; a row is freed once every one of them that `retires` rows acked it."""
     ragged_int, ragged_float = (None,), (None,)
     columns = [
         Column(PROMPT_IDS, "int64", ragged_int),
+        Column(GROUND_TRUTH, "str"),
         Column(RESPONSE_IDS, "int64", ragged_int),
         Column(ROLLOUT_LOGPROBS, "float32", ragged_float),
         Column(TOKEN_VERSIONS, "int64", ragged_int),
@@ -61,6 +136,7 @@ def rollout_table(
         ]
     if routed_experts is not None:  # (MoE layers, experts per token)
         columns.append(Column(ROUTED_EXPERTS, "int16", (None, *routed_experts)))
+    retire_after = tuple(dict.fromkeys(task.name for task in tasks if task.retires))
     return TableSpec(
         name, tuple(columns), group_size=group_size, max_row_bytes=max_row_bytes, retire_after=retire_after
     )

@@ -50,7 +50,7 @@ class InferenceServiceConfig:
     requests in waves (see the module's doc), for replayable lock-step runs."""
 
     table: str = "rollout"
-    task: str = "generate"
+    task: str = cols.GENERATE_TASK.name
     max_in_flight: int = 32
     max_new_tokens: int = 256
     context_length: int = 2048
@@ -135,7 +135,7 @@ class InferenceService:
                     self.client.lease,
                     self.config.table,
                     self.config.task,
-                    [cols.PROMPT_IDS],
+                    list(cols.GENERATE_TASK.reads),
                     count=free,
                     min_count=1,
                     lease_s=self.config.lease_s,

@@ -17,11 +17,11 @@ from meshy.infer.response_scoring import ScoringConfig, ScoringService
 
 @dataclass(frozen=True)
 class ReferenceServiceConfig(ScoringConfig):
-    task: str = "reference"
+    task: str = cols.REFERENCE_TASK.name
 
 
 class ReferenceService(ScoringService):
-    columns = (cols.REF_LOGPROBS,)
+    declared = cols.REFERENCE_TASK
 
     def row_columns(self, scores: Scores) -> tuple[torch.Tensor]:
         return (torch.tensor(scores.token_logprobs, dtype=torch.float32, device=HOST),)

@@ -40,10 +40,11 @@ class ScoringConfig:
 
 
 class ScoringService(abc.ABC):
-    """Subclasses say which columns they write, how many top-k ids per position they need, and what
-    they write for a row's scores (and for a row that cannot be scored)."""
+    """Subclasses say which task they serve (its declaration: the columns it reads and writes), how
+    many top-k ids per position they need, and what they write for a row's scores (and for a row that
+    cannot be scored)."""
 
-    columns: tuple[str, ...]
+    declared: cols.Task
 
     def __init__(self, client: DataPlaneClient, engine: Engine, config: ScoringConfig):
         self.client = client
@@ -72,7 +73,7 @@ class ScoringService(abc.ABC):
                 self.client.lease,
                 cfg.table,
                 cfg.task,
-                [cols.PROMPT_IDS, cols.RESPONSE_IDS],
+                list(self.declared.reads),
                 count=cfg.rows_per_lease,
                 min_count=1,
                 lease_s=cfg.lease_s,
@@ -88,7 +89,7 @@ class ScoringService(abc.ABC):
                     )
                 )
             )
-            columns = {name: [row[i] for row in scored] for i, name in enumerate(self.columns)}
+            columns = {name: [row[i] for row in scored] for i, name in enumerate(self.declared.writes)}
             await asyncio.to_thread(self.client.add_columns, cfg.table, batch.row_ids, columns, ack=batch)
             self.rows += len(batch)
         return self.rows

@@ -17,7 +17,7 @@ from meshy.infer.response_scoring import ScoringConfig, ScoringService
 
 @dataclass(frozen=True)
 class TeacherServiceConfig(ScoringConfig):
-    task: str = "teacher"
+    task: str = cols.TEACHER_TASK.name
     top_k: int = 8
 
     def __post_init__(self) -> None:
@@ -27,7 +27,7 @@ class TeacherServiceConfig(ScoringConfig):
 
 
 class TeacherService(ScoringService):
-    columns = (cols.TEACHER_TOPK_IDS, cols.TEACHER_TOPK_LOGPROBS)
+    declared = cols.TEACHER_TASK
     config: TeacherServiceConfig
 
     @property

@@ -6,38 +6,22 @@ own record file in the run directory (`records/<role>-<index>.jsonl`), from whic
 rebuilds the audit.
 """
 
+import asyncio
 import json
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from meshy.dataplane import DataPlaneClient, TableSpec
+from meshy.dataplane import DataPlaneClient
 from meshy.dataplane import rollout as cols
-from meshy.dataplane.schema import Column
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.topology import Slot
 
 RUN_STREAM = "run"
-GROUND_TRUTH = "ground_truth"
-TRAIN_TASK = "train"
-
-
-def rollout_table(recipe: Recipe) -> TableSpec:
-    """The run's one table: the shared rollout columns plus the task's ground truth (and routed_experts
-    when the run replays routing). A row is freed once training (and the critic, and every custom role
-    that names its task) acked it."""
-    retire_after = (TRAIN_TASK, "critic_train") if recipe.algorithm.kind == "ppo" else (TRAIN_TASK,)
-    arch = recipe.model.arch()
-    base = cols.rollout_table(
-        group_size=recipe.algorithm.group_size,
-        teacher_topk=recipe.algorithm.teacher_topk if recipe.algorithm.kind == "distill" else 0,
-        routed_experts=(arch.num_hidden_layers, arch.num_experts_per_tok) if recipe.algorithm.routing_replay else None,
-        retire_after=retire_after + tuple(c.task for c in recipe.roles.custom if c.task),
-    )
-    columns = (*base.columns, Column(GROUND_TRUTH, "str"), *recipe.extra_columns)
-    return TableSpec(base.name, columns, base.group_size, base.max_row_bytes, base.retire_after)
+T = TypeVar("T")
 
 
 @dataclass
@@ -71,6 +55,17 @@ class RoleContext:
         thread = threading.Thread(target=watch, name="meshy-stop-watch", daemon=True)
         thread.start()
         return thread
+
+    async def until_stopped(self, serve: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+        """Run an asyncio service, `serve(stop)`, until the run stops: `stop` (a flag threads set) becomes
+        the asyncio event the service watches. Returns what the service returned, when it ends on its own
+        or once it has finished after the stop."""
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(serve(stop))
+        while not self.stop.is_set() and not serving.done():
+            await asyncio.wait([serving], timeout=0.2)
+        stop.set()
+        return await serving
 
 
 def announce_stop(client: DataPlaneClient, reason: str) -> None:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer, Endpoints, secret_from_env
-from meshy.recipes.context import RoleContext, announce_stop, rollout_table
+from meshy.recipes.context import RoleContext, announce_stop
+from meshy.recipes.dataflow import rollout_table
 from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.topology import Slot, assign

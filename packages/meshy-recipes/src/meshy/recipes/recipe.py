@@ -17,6 +17,7 @@ from typing import Any, Literal
 from meshy.dataplane import Column, DataPlaneConfig, SchemaError
 from meshy.dataplane.fields import check_fields
 from meshy.infer.engine import SamplingParams
+from meshy.recipes.dataflow import check_dataflow
 from meshy.recipes.pretrained import check_init
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig
@@ -54,7 +55,9 @@ class CustomRoleSpec:
     """A role the framework does not know: `cls` is an import path "package.module:Class", built as
     `cls(ctx, **options)`. task: the data-plane task under which the role leases and acks rows, if it
     consumes them; the table then keeps every row until that task has acked it too, and the class also
-    gets `task=...`. Without it, rows are freed once training is done with them, scored or not."""
+    gets `task=...`. Without it, rows are freed once training is done with them, scored or not.
+    reads/writes: the columns the task leases rows by and the [[extra_columns]] it adds, so the recipe
+    is refused if a column it reads has no writer (meshy.recipes.dataflow)."""
 
     name: str
     cls: str
@@ -63,6 +66,8 @@ class CustomRoleSpec:
     memory_fraction: float | None = None
     options: dict = field(default_factory=dict)
     task: str = ""
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -73,6 +78,11 @@ class CustomRoleSpec:
             raise SchemaError(f"custom role {self.name}: cls {self.cls!r} is not 'package.module:Class'")
         if self.task and "task" in self.options:
             raise SchemaError(f"custom role {self.name}: options.task: set it once, as task, not in options")
+        if (self.reads or self.writes) and not self.task:
+            raise SchemaError(
+                f"custom role {self.name}: reads, writes: columns are read and written under a task; expected "
+                "task = the name under which the role leases rows"
+            )
 
     def arguments(self) -> dict:
         """The keyword arguments the role class is built with (after ctx)."""
@@ -274,6 +284,7 @@ class Recipe:
         self._check_reference(roles)
         if self.algorithm.routing_replay:
             self._check_routing_replay()
+        check_dataflow(self)
         if self.algorithm.overlong_buffer > self.sampling.max_new_tokens:
             raise SchemaError(
                 f"algorithm.overlong_buffer: expected <= sampling.max_new_tokens ({self.sampling.max_new_tokens}), "

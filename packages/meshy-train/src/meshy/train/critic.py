@@ -80,8 +80,8 @@ class CriticTrainer:
 @dataclass(frozen=True)
 class CriticServiceConfig:
     table: str = "rollout"
-    values_task: str = "critic_values"
-    train_task: str = "critic_train"
+    values_task: str = cols.CRITIC_VALUES_TASK.name
+    train_task: str = cols.CRITIC_TRAIN_TASK.name
     rows_per_rank: int = 8
     groups_per_rank: int = 1
     lease_s: float = 600.0
@@ -112,7 +112,7 @@ class CriticService:
         batch = self.client.lease(
             cfg.table,
             cfg.values_task,
-            [cols.PROMPT_IDS, cols.RESPONSE_IDS],
+            list(cols.CRITIC_VALUES_TASK.reads),
             count=cfg.rows_per_rank,
             min_count=1,
             lease_s=cfg.lease_s,
@@ -132,11 +132,10 @@ class CriticService:
     def train_step(self, timeout: float | None = None) -> dict[str, float] | None:
         """One critic step on whole groups whose returns are ready; None if no rank had any."""
         cfg = self.config
-        needed = [cols.PROMPT_IDS, cols.RESPONSE_IDS, cols.VALUES, cols.RETURNS]
         batch = self.client.lease(
             cfg.table,
             cfg.train_task,
-            needed,
+            list(cols.CRITIC_TRAIN_TASK.reads),
             count=cfg.groups_per_rank,
             whole_groups=True,
             lease_s=cfg.lease_s,

@@ -47,7 +47,7 @@ class TrainServiceConfig:
     routed_experts and replay it in every forward (a mixture-of-experts model only)."""
 
     table: str = "rollout"
-    task: str = "train"
+    task: str = cols.TRAIN_TASK.name
     groups_per_rank: int = 1
     minibatches: int = 1
     max_staleness: int | None = None
@@ -73,16 +73,13 @@ class TrainServiceConfig:
 
     @property
     def columns(self) -> list[str]:
-        names = [cols.PROMPT_IDS, cols.RESPONSE_IDS, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.ADVANTAGE]
-        if self.report_reward:
-            names.append(cols.REWARD)
-        if self.distill:
-            names += [cols.TEACHER_TOPK_IDS, cols.TEACHER_TOPK_LOGPROBS]
-        if self.kl_to_reference:
-            names.append(cols.REF_LOGPROBS)
-        if self.routing_replay:
-            names.append(cols.ROUTED_EXPERTS)
-        return names
+        task = cols.train_with(
+            reward=self.report_reward,
+            teacher=self.distill,
+            reference=self.kl_to_reference,
+            routed_experts=self.routing_replay,
+        )
+        return list(task.reads)
 
 
 class MetricsLog:
@@ -99,11 +96,23 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
-def _sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=HOST)
+STALENESS_BINS = 64  # the histogram counts tokens 0..63 versions behind one by one, older ones together
+
+
+def _staleness_bins(staleness: Counter) -> dict[str, int]:
+    """Token counts by histogram label: "0" .. "63", then ">=64"."""
+    bins = {str(s): staleness.get(s, 0) for s in range(STALENESS_BINS)}
+    bins[f">={STALENESS_BINS}"] = sum(n for s, n in staleness.items() if s >= STALENESS_BINS)
+    return bins
+
+
+def _sum_over_ranks(counts: dict[str, float]) -> dict[str, float]:
+    """Each named count summed over the ranks, in one all-reduce (every rank names the same counts in the
+    same order)."""
+    t = torch.tensor(list(counts.values()), dtype=torch.float64, device=HOST)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
-    return t.tolist()
+    return dict(zip(counts, t.tolist(), strict=True))
 
 
 class TrainingService:
@@ -174,21 +183,25 @@ class TrainingService:
         if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0 and self.checkpoint_dir is not None:
             checkpoint.save(self.checkpoint_dir, self.version, self.trainer, {"version": self.version})
 
-        max_staleness = 64
         rewards = [float(r[cols.REWARD]) for r in rows] if cfg.report_reward else []
-        replayed = sum(
-            float((mb.routed_experts[..., 0, 0] != FREE).sum()) for mb in minibatches if mb.routed_experts is not None
+        bins = _staleness_bins(staleness)
+        total = _sum_over_ranks(
+            {
+                "rows_trained": len(rows),
+                "rows_dropped": len(dropped),
+                "tokens": sum(float(mb.mask.sum()) for mb in minibatches),
+                "reward_sum": sum(rewards),
+                "rewards": len(rewards),
+                "replayed_tokens": sum(
+                    float((mb.routed_experts[..., 0, 0] != FREE).sum())
+                    for mb in minibatches
+                    if mb.routed_experts is not None
+                ),
+                **{f"staleness {label}": n for label, n in bins.items()},
+            }
         )
-        local = [len(rows), len(dropped), sum(float(mb.mask.sum()) for mb in minibatches), sum(rewards), len(rewards)]
-        local.append(replayed)
-        local += [staleness.get(s, 0) for s in range(max_staleness)] + [
-            sum(v for s, v in staleness.items() if s >= max_staleness)
-        ]
-        total = _sum(local)
-        global_tokens = total[2]
-        hist = {str(s): int(c) for s, c in enumerate(total[6 : 6 + max_staleness]) if c}
-        if total[-1]:
-            hist[f">={max_staleness}"] = int(total[-1])
+        global_tokens = total["tokens"]
+        hist = {label: int(total[f"staleness {label}"]) for label in bins if total[f"staleness {label}"]}
         trained = [row["row"] for row in rows]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone: list[tuple[list[int], list[dict]]] = [([], []) for _ in range(dist.get_world_size())]
@@ -198,21 +211,21 @@ class TrainingService:
         record = {
             "version": self.version,
             "time": time.time(),
-            "rows_trained": int(total[0]),
-            "rows_dropped": int(total[1]),
+            "rows_trained": int(total["rows_trained"]),
+            "rows_dropped": int(total["rows_dropped"]),
             "row_ids": sorted(trained),
             "dropped": dropped,
             "tokens": int(global_tokens),
             "tokens_per_s": global_tokens / max(train_seconds, 1e-9),
             "staleness_histogram": hist,
-            "reward_mean": total[3] / total[4] if total[4] else None,
+            "reward_mean": total["reward_sum"] / total["rewards"] if total["rewards"] else None,
             "wait_s": waited,
             "train_s": train_seconds,
             "publish_s": publish_seconds,
             "weights_bytes": published.num_bytes if published is not None else None,
         }
         if cfg.routing_replay:  # response positions whose routing was the engine's
-            record["replayed_tokens"] = int(total[5])
+            record["replayed_tokens"] = int(total["replayed_tokens"])
         for key in steps[0] if steps else ():
             record[key] = sum(s[key] for s in steps) / len(steps)
         self.metrics.write(record)

@@ -20,7 +20,6 @@ from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer
 from meshy.train.parallel import build_model
 from meshy.train.trainer import reduce_over_ranks
 
-CRITIC_TRAIN_TASK = "critic_train"
 CHECKPOINTS = "critic_checkpoints"  # under the run directory, next to the policy's "checkpoints"
 
 
@@ -35,7 +34,6 @@ class CriticRole:
         model = ValueModel(backbone, arch.hidden_size, algo.initial_value)
         config = CriticServiceConfig(
             table=ctx.table,
-            train_task=CRITIC_TRAIN_TASK,
             rows_per_rank=256,
             groups_per_rank=algo.prompts_per_step // ctx.slot.count,
             batch_timeout_s=0.2,

@@ -3,7 +3,7 @@
 import asyncio
 
 from meshy.dataplane.weights import WEIGHTS_STREAM, Published
-from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
+from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
 from meshy.recipes.colocation import join_ring, record_released
 from meshy.recipes.context import RoleContext
 from meshy.recipes.engines import build_engine
@@ -71,20 +71,18 @@ class InferenceRole:
             waves=ctx.recipe.algorithm.window == 1 and sampling.engine == "torch",
         )
         service = InferenceService(ctx.client, engine, config)
-        stop = asyncio.Event()
 
-        async def bridge() -> None:
-            while not ctx.stop.is_set():
-                await asyncio.sleep(0.2)
-            stop.set()
+        async def serve(stop: asyncio.Event) -> InferenceStats:
+            sharing = asyncio.create_task(self._share_devices(engine, stop))
+            try:
+                return await service.run(stop)
+            finally:
+                stop.set()  # the ring member stops with the service, however it ended
+                await sharing
 
-        bridging = asyncio.create_task(bridge())
-        sharing = asyncio.create_task(self._share_devices(engine, stop))
         try:
-            stats = await service.run(stop)
+            stats = await ctx.until_stopped(serve)
         finally:
-            bridging.cancel()
-            await sharing
             await engine.close()
         ctx.record(
             "inference",

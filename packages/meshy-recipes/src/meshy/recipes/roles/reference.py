@@ -25,13 +25,10 @@ class ReferenceRole:
             return
         engine = build_engine(ctx, published)
         service = ReferenceService(ctx.client, engine, ReferenceServiceConfig(table=ctx.table))
-        stop = asyncio.Event()
-        serving = asyncio.create_task(service.run(stop))
-        while not ctx.stop.is_set() and not serving.done():
-            await asyncio.sleep(0.2)
-        stop.set()
-        await serving
-        await engine.close()
+        try:
+            await ctx.until_stopped(service.run)
+        finally:
+            await engine.close()
         ctx.record(
             "reference", version=published.version, device=ctx.slot.device, rows=service.rows, unscored=service.unscored
         )

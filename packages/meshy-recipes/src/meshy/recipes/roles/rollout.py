@@ -17,7 +17,7 @@ import torch
 from meshy.dataplane import HOST
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.context import GROUND_TRUTH, RoleContext
+from meshy.recipes.context import RoleContext
 from meshy.recipes.imports import import_object
 from meshy.train.advantages import (
     dapo_overlong_penalty,
@@ -100,21 +100,21 @@ class RolloutRole:
                 groups.append(group)
                 prompts.append(ids)
                 truths.append(problem.answer)
-        self.ctx.client.put(self.ctx.table, rows, {cols.PROMPT_IDS: prompts, GROUND_TRUTH: truths}, group_ids=groups)
+        self.ctx.client.put(
+            self.ctx.table, rows, {cols.PROMPT_IDS: prompts, cols.GROUND_TRUTH: truths}, group_ids=groups
+        )
         self.rows_written += len(rows)
 
     # ---- rewards ------------------------------------------------------------------------------
     def score(self) -> None:
         client, table = self.ctx.client, self.ctx.table
-        eos = self.tokenizer.eos_token_id
+        eos, task = self.tokenizer.eos_token_id, cols.REWARD_TASK
         while not self.ctx.stop.is_set():
-            batch = client.lease(
-                table, "reward", [cols.RESPONSE_IDS, GROUND_TRUTH], count=256, min_count=1, timeout=0.5
-            )
+            batch = client.lease(table, task.name, list(task.reads), count=256, min_count=1, timeout=0.5)
             if batch is None:
                 continue
             rewards = []
-            for response, truth in zip(batch.columns[cols.RESPONSE_IDS], batch.columns[GROUND_TRUTH], strict=True):
+            for response, truth in zip(batch.columns[cols.RESPONSE_IDS], batch.columns[cols.GROUND_TRUTH], strict=True):
                 ids = response.tolist()
                 text = self.tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids)
                 rewards.append(float(self.reward_fn(text, truth)))
@@ -126,7 +126,7 @@ class RolloutRole:
             return self.critic_advantages()
         client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
         while not self.ctx.stop.is_set():
-            batch = self._lease_groups([cols.REWARD, cols.RESPONSE_IDS])
+            batch = self._lease_groups()
             if batch is None:
                 continue
             responses = batch.columns[cols.RESPONSE_IDS]
@@ -146,7 +146,7 @@ class RolloutRole:
         returns are the lambda = 1 targets the critic trains on."""
         client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
         while not self.ctx.stop.is_set():
-            batch = self._lease_groups([cols.REWARD, cols.RESPONSE_IDS, cols.VALUES])
+            batch = self._lease_groups()
             if batch is None:
                 continue
             responses, values = batch.columns[cols.RESPONSE_IDS], batch.columns[cols.VALUES]
@@ -175,10 +175,11 @@ class RolloutRole:
                 ack=batch,
             )
 
-    def _lease_groups(self, columns: list[str]):
-        """Whole groups whose `columns` are ready, for the advantage step (None after a short wait)."""
+    def _lease_groups(self):
+        """Whole groups ready for the advantage step (None after a short wait)."""
+        task = cols.advantage_with(values=self.ctx.recipe.algorithm.kind == "ppo")
         return self.ctx.client.lease(
-            self.ctx.table, "advantage", columns, count=64, min_count=1, whole_groups=True, timeout=0.5
+            self.ctx.table, task.name, list(task.reads), count=64, min_count=1, whole_groups=True, timeout=0.5
         )
 
     def _overlong_penalty(self, responses: list[torch.Tensor]) -> torch.Tensor:

@@ -23,11 +23,8 @@ class TeacherRole:
         service = TeacherService(
             ctx.client, engine, TeacherServiceConfig(table=ctx.table, top_k=recipe.algorithm.teacher_topk)
         )
-        stop = asyncio.Event()
-        serving = asyncio.create_task(service.run(stop))
-        while not ctx.stop.is_set() and not serving.done():
-            await asyncio.sleep(0.2)
-        stop.set()
-        await serving
-        await engine.close()
+        try:
+            await ctx.until_stopped(service.run)
+        finally:
+            await engine.close()
         ctx.record("teacher", rows=service.rows, unscored=service.unscored)

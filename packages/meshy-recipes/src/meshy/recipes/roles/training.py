@@ -10,7 +10,7 @@ import torch.distributed as dist
 from meshy.dataplane import HOST, free_cached
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.colocation import join_ring, record_released
-from meshy.recipes.context import TRAIN_TASK, RoleContext, announce_stop
+from meshy.recipes.context import RoleContext, announce_stop
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
 from meshy.recipes.reference_weights import publish_reference
@@ -37,7 +37,6 @@ class TrainingRole:
         self.publisher = publisher
         config = TrainServiceConfig(
             table=ctx.table,
-            task=TRAIN_TASK,
             groups_per_rank=algo.prompts_per_step // ctx.slot.count,
             minibatches=algo.minibatches,
             max_staleness=algo.max_staleness,

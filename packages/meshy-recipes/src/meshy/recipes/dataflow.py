@@ -1,0 +1,72 @@
+"""A recipe's data flow: the tasks its roles run over the rollout table (declared, with the columns they
+read and write, in meshy.dataplane.rollout), the table they share, and the check that every column one
+of them reads is written by another, so no row waits forever for a column nobody writes."""
+
+from typing import TYPE_CHECKING
+
+from meshy.dataplane import SchemaError, TableSpec
+from meshy.dataplane import rollout as cols
+
+if TYPE_CHECKING:
+    from meshy.recipes.recipe import Recipe
+
+
+def recipe_tasks(recipe: "Recipe") -> tuple[cols.Task, ...]:
+    """The built-in tasks the recipe's algorithm runs, then one per custom role that names a task."""
+    algo = recipe.algorithm
+    replay, critic, distill = algo.routing_replay, algo.kind == "ppo", algo.kind == "distill"
+    tasks = [
+        cols.PROMPTS_TASK,
+        cols.generate_with(routed_experts=replay),
+        cols.REWARD_TASK,
+        cols.advantage_with(values=critic),
+        cols.train_with(reward=True, teacher=distill, reference=algo.loss.kl_coef > 0, routed_experts=replay),
+    ]
+    if critic:
+        tasks += [cols.CRITIC_VALUES_TASK, cols.CRITIC_TRAIN_TASK]
+    if distill:
+        tasks.append(cols.TEACHER_TASK)
+    if recipe.roles.reference is not None:
+        tasks.append(cols.REFERENCE_TASK)
+    tasks += [cols.Task(c.task, c.reads, c.writes, retires=True) for c in recipe.roles.custom if c.task]
+    return tuple(tasks)
+
+
+def check_dataflow(recipe: "Recipe") -> None:
+    """Custom roles write only their own [[extra_columns]], and every column a task reads has a writer."""
+    extra = [c.name for c in recipe.extra_columns]
+    for role in recipe.roles.custom:
+        for column in role.writes:
+            if column not in extra:
+                raise SchemaError(
+                    f"roles.custom.{role.name}.writes: column {column!r} is not one of the [[extra_columns]] "
+                    f"{extra}; expected a column declared there (built-in columns have their built-in writers)"
+                )
+    tasks = recipe_tasks(recipe)
+    custom = {c.task: c.name for c in recipe.roles.custom if c.task}
+    missing = cols.unwritten(tasks)
+    if missing:
+        task, column = missing[0]
+        where = f"roles.custom.{custom[task.name]}.reads" if task.name in custom else f"task {task.name!r}"
+        raise SchemaError(
+            f"{where}: task {task.name!r} reads column {column!r}, which no task of this recipe writes; expected "
+            f"a role that writes it (a [[roles.custom]] with {column!r} in its writes); the tasks write "
+            f"{sorted({c for t in tasks for c in t.writes})}"
+        )
+
+
+def rollout_table(recipe: "Recipe") -> TableSpec:
+    """The run's one table: the shared rollout columns (routed_experts when the run replays routing) and
+    the recipe's extra columns. A row is freed once every task that retires rows acked it: training's,
+    the critic's, and every custom role's that names a task."""
+    algo = recipe.algorithm
+    arch = recipe.model.arch()
+    base = cols.rollout_table(
+        group_size=algo.group_size,
+        teacher_topk=algo.teacher_topk if algo.kind == "distill" else 0,
+        routed_experts=(arch.num_hidden_layers, arch.num_experts_per_tok) if algo.routing_replay else None,
+        tasks=recipe_tasks(recipe),
+    )
+    return TableSpec(
+        base.name, (*base.columns, *recipe.extra_columns), base.group_size, base.max_row_bytes, base.retire_after
+    )
