@@ -1,8 +1,14 @@
 """A run that makes no progress says what it waits for and stops, instead of waiting silently."""
 
+import json
 import re
 import time
 
+import torch
+
+from meshy.dataplane import rollout as cols
+from meshy.dataplane.devices import HOST
+from meshy.recipes.watchdog import Watchdog
 from tests.recipes.test_pipeline import meshy_run, small_recipe
 
 
@@ -23,3 +29,28 @@ def test_a_run_stuck_on_a_lease_nobody_returns_reports_the_stall_and_stops_with_
     assert f"it stalled (what each task waited for: {run_dir / 'logs' / 'stall.txt'})" in result.stderr
     assert f"meshy run --resume {run_dir}" in result.stderr
     assert elapsed < 180
+
+
+def test_the_stall_report_names_the_columns_rows_wait_for_and_each_role_s_last_record(client, unique, tmp_path):
+    """What a run stuck on a column nobody writes (a scorer that went quiet) would report: the rows a
+    task cannot take yet, by the columns they miss, and how long ago each role last said anything."""
+    table = client.create_table(cols.rollout_table(unique("rollout"))).name
+    prompts = [torch.tensor([1, 2, 3], device=HOST)] * 3
+    client.put(table, [0, 1, 2], {cols.PROMPT_IDS: prompts, cols.GROUND_TRUTH: ["4", "5", "6"]})
+    responses = [torch.tensor([7], device=HOST)] * 2
+    client.add_columns(table, [0, 1], {cols.RESPONSE_IDS: responses})
+    train = cols.train_with(reward=True)
+    assert client.lease(table, train.name, list(train.reads), count=1, timeout=0.1) is None
+    held = client.lease(table, cols.GENERATE_TASK.name, list(cols.GENERATE_TASK.reads), count=1, timeout=5)
+    assert held is not None and len(held.row_ids) == 1
+    (tmp_path / "records").mkdir()
+    quiet = {"time": time.time() - 120, "kind": "scoring", "rows": 2}
+    (tmp_path / "records" / "scorer-0.jsonl").write_text(json.dumps(quiet) + "\n")
+
+    report = Watchdog(client, table, tmp_path, stall_after_s=60).report()
+    assert report.startswith("meshy: the run made no progress for 60 s"), report
+    assert "task generate (needs prompt_ids): 2 rows ready\n    1 rows leased by test-" in report, report
+    waits = report[report.index("  task train (needs ") :]
+    assert "\n    1 rows waiting for response_ids, rollout_logprobs, token_versions, advantage, reward" in waits
+    assert "\n    2 rows waiting for rollout_logprobs, token_versions, advantage, reward" in waits
+    assert re.search(r'scorer-0: last record 1[12]\d s ago: \{"kind": "scoring", "rows": 2\}', report), report
