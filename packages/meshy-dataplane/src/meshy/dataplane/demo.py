@@ -38,7 +38,7 @@ def rollout(client: DataPlaneClient, steps: int) -> None:
         if step > 0 and not weights.read(max_n=1, timeout=60):  # W = 1: wait for the previous step's weights
             raise TimeoutError("no weights version in 60 s")
         for g in range(step * GROUPS_PER_STEP, (step + 1) * GROUPS_PER_STEP):
-            prompt = torch.randint(0, 100, (int(torch.randint(3, 9, ())),))
+            prompt = torch.randint(0, 100, (int(torch.randint(3, 9, (), device=HOST)),), device=HOST)
             rows = [g * GROUP + k for k in range(GROUP)]
             client.put("rollout", rows, {"prompt_ids": [prompt] * GROUP}, group_ids=[g] * GROUP)
 
