@@ -7,6 +7,7 @@ groups directly and compute group-relative advantages; rank 0 announces each new
 """
 
 import argparse
+import sys
 import threading
 import time
 
@@ -74,6 +75,19 @@ def trainer(client: DataPlaneClient, rank: int, steps: int, report: list) -> Non
             client.append("weights", {"version": step + 1})
 
 
+def role_thread(name: str, target, args: tuple, failures: list[str]) -> threading.Thread:
+    """A role on its own thread; what stops it is kept, so the demo ends with an error, not a silent 0."""
+
+    def run() -> None:
+        try:
+            target(*args)
+        except Exception as err:
+            failures.append(f"{name}: {type(err).__name__}: {err}")
+            raise
+
+    return threading.Thread(target=run, name=name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshy demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -86,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         clients = [DataPlaneClient(server.endpoints, secret, name=n) for n in ("rollout", "infer", "rank0", "rank1")]
         clients[0].create_table(TABLE)
         versions = clients[0].reader("weights", "audit", start=1)  # registered now: sees every version
-        stop, report = threading.Event(), []
+        stop, report, failures = threading.Event(), [], []
         roles = [
-            threading.Thread(target=rollout, args=(clients[0], args.steps)),
-            threading.Thread(target=inference, args=(clients[1], stop)),
-            *(threading.Thread(target=trainer, args=(clients[2 + r], r, args.steps, report)) for r in (0, 1)),
+            role_thread("rollout", rollout, (clients[0], args.steps), failures),
+            role_thread("inference", inference, (clients[1], stop), failures),
+            *(role_thread(f"trainer {r}", trainer, (clients[2 + r], r, args.steps, report), failures) for r in (0, 1)),
         ]
         for role in roles:
             role.start()
@@ -106,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"table: {clients[0].table_stats('rollout')}")
         for client in clients:
             client.close()
+    if failures:
+        print(f"meshy demo: failed after {time.monotonic() - t0:.1f}s: {'; '.join(failures)}", file=sys.stderr)
+        return 1
     print(f"done in {time.monotonic() - t0:.1f}s")
     return 0
 
