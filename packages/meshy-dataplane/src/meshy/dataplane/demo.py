@@ -4,6 +4,8 @@ Four roles, each with its own client, meet only through one table and the `weigh
 writes groups of prompts paced by weight versions (on-policy, W = 1), inference leases prompts and
 writes responses and rewards (acking its input atomically), and two trainer ranks each lease whole
 groups directly and compute group-relative advantages; rank 0 announces each new weights version.
+The ranks step together, as the training service's do: a rank that ran ahead would lease, for its
+next step, the groups the other rank is still waiting for, and the run would stall.
 """
 
 import argparse
@@ -21,6 +23,7 @@ from meshy.dataplane.server import DataPlaneServer, new_secret
 
 GROUP = 4
 GROUPS_PER_STEP = 4
+WAIT_S = 60.0  # longest any role waits for another
 TABLE = TableSpec(
     "rollout",
     (
@@ -36,8 +39,8 @@ TABLE = TableSpec(
 def rollout(client: DataPlaneClient, steps: int) -> None:
     weights = client.reader("weights", "rollout", start=1)
     for step in range(steps):
-        if step > 0 and not weights.read(max_n=1, timeout=60):  # W = 1: wait for the previous step's weights
-            raise TimeoutError("no weights version in 60 s")
+        if step > 0 and not weights.read(max_n=1, timeout=WAIT_S):  # W = 1: the previous step's weights
+            raise TimeoutError(f"no weights version {step} in {WAIT_S:.0f} s")
         for g in range(step * GROUPS_PER_STEP, (step + 1) * GROUPS_PER_STEP):
             prompt = torch.randint(0, 100, (int(torch.randint(3, 9, (), device=HOST)),), device=HOST)
             rows = [g * GROUP + k for k in range(GROUP)]
@@ -57,22 +60,34 @@ def inference(client: DataPlaneClient, stop: threading.Event) -> None:
         client.add_columns("rollout", batch.row_ids, {"response_ids": responses, "reward": rewards}, ack=batch)
 
 
-def trainer(client: DataPlaneClient, rank: int, steps: int, report: list) -> None:
-    for step in range(steps):
-        batch = client.lease(
-            "rollout", "train", ["response_ids", "reward"], count=GROUPS_PER_STEP // 2, whole_groups=True, timeout=60
-        )
-        if batch is None:
-            raise TimeoutError(f"trainer rank {rank}: no batch in 60 s")
-        rewards = batch.columns["reward"].view(-1, GROUP)
-        advantages = rewards - rewards.mean(dim=1, keepdim=True)
-        client.ack(batch)
-        report.append((step, rank, sorted(set(batch.group_ids)), rewards.mean().item(), advantages.abs().mean().item()))
-        if rank == 0:
-            done = (step + 1) * GROUPS_PER_STEP * GROUP
-            while client.table_stats("rollout")["retired"] < done:  # both ranks finished this step
-                time.sleep(0.01)
-            client.append("weights", {"version": step + 1})
+def trainer(client: DataPlaneClient, rank: int, steps: int, report: list, ranks: threading.Barrier) -> None:
+    try:
+        for step in range(steps):
+            batch = client.lease(
+                "rollout", "train", ["response_ids", "reward"], GROUPS_PER_STEP // 2, whole_groups=True, timeout=WAIT_S
+            )
+            if batch is None:
+                raise TimeoutError(f"trainer rank {rank}: no batch for step {step} in {WAIT_S:.0f} s")
+            together(ranks, f"trainer rank {rank}: the other rank holding its groups for step {step}")
+            rewards = batch.columns["reward"].view(-1, GROUP)
+            advantages = rewards - rewards.mean(dim=1, keepdim=True)
+            client.ack(batch)
+            report.append(
+                (step, rank, sorted(set(batch.group_ids)), rewards.mean().item(), advantages.abs().mean().item())
+            )
+            together(ranks, f"trainer rank {rank}: the other rank finishing step {step}")
+            if rank == 0:
+                client.append("weights", {"version": step + 1})
+    except BaseException:
+        ranks.abort()  # the other rank fails now instead of waiting out WAIT_S
+        raise
+
+
+def together(ranks: threading.Barrier, waiting_for: str) -> None:
+    try:
+        ranks.wait(WAIT_S)
+    except threading.BrokenBarrierError:
+        raise TimeoutError(f"{waiting_for}: it failed or did not come within {WAIT_S:.0f} s") from None
 
 
 def role_thread(name: str, target, args: tuple, failures: list[str]) -> threading.Thread:
@@ -100,11 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         clients = [DataPlaneClient(server.endpoints, secret, name=n) for n in ("rollout", "infer", "rank0", "rank1")]
         clients[0].create_table(TABLE)
         versions = clients[0].reader("weights", "audit", start=1)  # registered now: sees every version
-        stop, report, failures = threading.Event(), [], []
+        stop, report, failures, ranks = threading.Event(), [], [], threading.Barrier(2)
         roles = [
             role_thread("rollout", rollout, (clients[0], args.steps), failures),
             role_thread("inference", inference, (clients[1], stop), failures),
-            *(role_thread(f"trainer {r}", trainer, (clients[2 + r], r, args.steps, report), failures) for r in (0, 1)),
+            *(
+                role_thread(f"trainer {r}", trainer, (clients[2 + r], r, args.steps, report, ranks), failures)
+                for r in (0, 1)
+            ),
         ]
         for role in roles:
             role.start()
