@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,8 +69,10 @@ def _looks_like_ray(cmdline: list[str]) -> bool:
     return any(part.endswith(("raylet", "gcs_server")) or part.startswith("ray::") for part in cmdline)
 
 
-def test_dead_storage_unit_and_dead_controller_give_clear_errors_within_seconds(secret):
-    config = DataPlaneConfig(num_storage_units=2, rpc_timeout_s=1.0, wait_slice_s=0.5)
+def test_a_dead_server_fails_calls_at_once_not_at_the_reply_deadline(secret):
+    """Process death closes the connection; no call waits out rpc_timeout_s (30 s by default) for it."""
+    config = DataPlaneConfig(num_storage_units=2)
+    assert config.rpc_timeout_s >= 30
     with DataPlaneServer.start(secret, config) as server, DataPlaneClient(server.endpoints, secret, config) as client:
         client.create_table(TableSpec("t", (Column("x", "int64"),)))
         client.put("t", [0, 1], {"x": torch.tensor([0, 1])})
@@ -77,22 +80,51 @@ def test_dead_storage_unit_and_dead_controller_give_clear_errors_within_seconds(
         os.kill(server.pids["storage"][1], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(
-            ServerUnavailable, match=r"storage unit TQ_STORAGE_UNIT_\w+ at tcp://127.0.0.1:\d+ did not answer"
+            ServerUnavailable,
+            match=r"storage unit TQ_STORAGE_UNIT_\w+ at tcp://127.0.0.1:\d+ closed its connection",
         ):
             client.lease("t", "train", ["x"], count=2, timeout=5)
         assert time.monotonic() - t0 < 3.0
-        with pytest.raises(ServerUnavailable, match="storage unit"):
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnavailable, match=r"storage unit \w+ at .* closed its connection earlier"):
             client.put("t", [2, 3], {"x": torch.tensor([2, 3])})
+        assert time.monotonic() - t0 < 2.0
 
         os.kill(server.pids["controller"], signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(ServerUnavailable, match=r"controller at tcp://127.0.0.1:\d+ did not answer 'lease'"):
+        with pytest.raises(
+            ServerUnavailable, match=r"controller at tcp://127.0.0.1:\d+ closed its connection.*'lease'"
+        ):
             client.lease("t", "infer", ["x"], timeout=60)
         assert time.monotonic() - t0 < 3.0
         t0 = time.monotonic()
-        with pytest.raises(ServerUnavailable, match="did not answer 'append'"):
+        with pytest.raises(ServerUnavailable, match="closed its connection earlier; 'append' was not sent"):
             client.append("weights", {"version": 1})
         assert time.monotonic() - t0 < 2.0
+
+
+def test_a_server_that_stalls_for_seconds_is_waited_for_not_declared_dead(secret):
+    """A loaded host can stall a healthy server for seconds (a 5 s reply bound once killed every role of a
+    run beside a CI job); paused for 7 s, the controller and a storage unit answer late and nothing fails."""
+    config = DataPlaneConfig(num_storage_units=2)
+    with DataPlaneServer.start(secret, config) as server, DataPlaneClient(server.endpoints, secret, config) as client:
+        client.create_table(TableSpec("t", (Column("x", "int64"),)))
+        client.put("t", [0, 1], {"x": torch.tensor([10, 11])})
+        paused = [server.pids["controller"], server.pids["storage"][1]]
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            resume = threading.Timer(7.0, lambda: [os.kill(pid, signal.SIGCONT) for pid in paused])
+            resume.start()
+            batch = client.lease("t", "train", ["x"], count=2, timeout=30)
+        finally:
+            resume.join()
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
+        assert time.monotonic() - t0 >= 6.5
+        assert torch.equal(batch.columns["x"], torch.tensor([10, 11]))
+        assert client.ack(batch).acked == [0, 1]
 
 
 def test_shutdown_and_killing_the_host_leave_no_server_processes(secret, mp_context, tmp_path):

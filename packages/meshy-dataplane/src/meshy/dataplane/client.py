@@ -1,14 +1,13 @@
 """The data-plane client: tables, leased consumption, control streams.
 
-Thread-safe: each thread gets its own sockets. Every call has a deadline; a server that does not
-answer within `rpc_timeout_s` raises ServerUnavailable. Long waits are cut into `wait_slice_s` slices,
-so a controller that dies during a wait is noticed within a slice plus the RPC timeout.
+Thread-safe: each thread gets its own sockets. Every call has a deadline: a server whose process ends
+fails the call at once (its connection closes), one that does not answer within `rpc_timeout_s` raises
+ServerUnavailable. Long waits are cut into `wait_slice_s` slices, so a controller that hangs during a
+wait is noticed within a slice plus the RPC timeout.
 """
 
 import contextlib
-import functools
 import itertools
-import operator
 import os
 import threading
 import time
@@ -21,18 +20,16 @@ import msgspec
 import torch
 import zmq
 from transfer_queue.utils.zmq_utils import format_zmq_address
-from zmq.utils.monitor import recv_monitor_message
 
 from meshy.dataplane.audit import DUPLICATE, SequenceAudit
 from meshy.dataplane.config import DataPlaneConfig
+from meshy.dataplane.connection import CONTROLLER, ServerConnection
 from meshy.dataplane.endpoints import Endpoints
 from meshy.dataplane.errors import (
     REMOTE_ERRORS,
-    AccessDenied,
     DataPlaneError,
     RowConflictError,
     SchemaError,
-    ServerUnavailable,
 )
 from meshy.dataplane.schema import TableSpec, check_row_ids
 from meshy.dataplane.security import Credentials
@@ -41,14 +38,6 @@ from meshy.dataplane.streams import START_LATEST
 from meshy.dataplane.tables import AckResult
 from meshy.dataplane.wire import decode_reply, encode_request
 
-_HANDSHAKE_FAILED = {
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-}
-_HANDSHAKE_EVENTS = functools.reduce(
-    operator.or_, _HANDSHAKE_FAILED | {zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED}
-)
 _payloads = msgspec.msgpack.Encoder()
 _payload_decoder = msgspec.msgpack.Decoder()
 
@@ -92,7 +81,7 @@ class DataPlaneClient:
         self._local = threading.local()
         self._request_ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._sockets: list[zmq.Socket] = []
+        self._connections: list[ServerConnection] = []
         self._storage_channels: list[StorageChannel] = []
         self._tables: dict[str, TableSpec] = {}
         self._free_keys: dict[str, list[int]] = {}
@@ -105,19 +94,16 @@ class DataPlaneClient:
         c = self.endpoints.controller
         return format_zmq_address(c["ip"], c["ports"]["request_handle_socket"])
 
-    def _controller_socket(self) -> zmq.Socket:
-        sock = getattr(self._local, "controller", None)
-        if sock is None:
+    def _controller(self) -> ServerConnection:
+        conn = getattr(self._local, "controller", None)
+        if conn is None:
             if self._closed:
                 raise DataPlaneError("the client is closed")
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            self._creds.secure_client(sock)
-            sock.connect(self._controller_address)
-            self._local.controller = sock
+            conn = ServerConnection(self._ctx, self._controller_address, self._creds, CONTROLLER)
+            self._local.controller = conn
             with self._lock:
-                self._sockets.append(sock)
-        return sock
+                self._connections.append(conn)
+        return conn
 
     def _storage(self) -> StorageChannel:
         channel = getattr(self._local, "storage", None)
@@ -131,54 +117,19 @@ class DataPlaneClient:
         return channel
 
     def _check_access(self) -> None:
-        """Ping the controller once, telling refused credentials apart from a server that is down."""
-        probe = self._ctx.socket(zmq.DEALER)
-        probe.linger = 0
-        monitor = probe.get_monitor_socket(_HANDSHAKE_EVENTS)
-        self._creds.secure_client(probe)
-        probe.connect(self._controller_address)
-        try:
-            probe.send_multipart(encode_request("ping", 0, {}))
-            if probe.poll(self.config.rpc_timeout_s * 1000):
-                decode_reply(probe.recv())
-                return
-            events = set()
-            while monitor.poll(0):
-                events.add(recv_monitor_message(monitor)["event"])
-            # PLAIN reports the refusal; a CURVE server that cannot decrypt our hello just hangs up.
-            refused = events & _HANDSHAKE_FAILED or (
-                zmq.EVENT_DISCONNECTED in events and zmq.EVENT_HANDSHAKE_SUCCEEDED not in events
-            )
-            if refused:
-                raise AccessDenied(
-                    f"the data-plane controller at {self._controller_address} refused this client's "
-                    "credentials: the run secret does not match"
-                )
-            raise ServerUnavailable(
-                f"the data-plane controller at {self._controller_address} did not answer "
-                f"within rpc_timeout_s={self.config.rpc_timeout_s}"
-            )
-        finally:
-            probe.disable_monitor()
-            monitor.close(linger=0)
-            probe.close(linger=0)
+        """Ping the controller once, so refused credentials or a server that is down fail here."""
+        self._call("ping", {})
 
     def _call(self, op: str, args: dict, timeout_s: float | None = None) -> Any:
-        sock = self._controller_socket()
+        conn = self._controller()
         request_id = next(self._request_ids)
-        sock.send_multipart(encode_request(op, request_id, args))
+        conn.send(encode_request(op, request_id, args), op)
         deadline = time.monotonic() + (timeout_s or self.config.rpc_timeout_s)
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(remaining * 1000):
-                # The socket may still get this reply later; replies carry ids, so it is simply skipped.
-                raise ServerUnavailable(
-                    f"the data-plane controller at {self._controller_address} did not answer '{op}' "
-                    f"within {timeout_s or self.config.rpc_timeout_s:.1f}s"
-                )
-            reply = decode_reply(sock.recv())
+            conn.wait_reply(op, deadline)
+            reply = decode_reply(conn.socket.recv())
             if reply["id"] != request_id:
-                continue
+                continue  # the late reply of a call that timed out earlier
             if reply["ok"]:
                 return reply["result"]
             error = reply["error"]
@@ -408,8 +359,8 @@ class DataPlaneClient:
         with self._lock:
             for channel in self._storage_channels:
                 channel.close()
-            for sock in self._sockets:
-                sock.close(linger=0)
+            for conn in self._connections:
+                conn.close()
         self._ctx.term()
 
     def __enter__(self) -> "DataPlaneClient":

@@ -15,8 +15,11 @@ class DataPlaneConfig:
     host: address the servers bind and advertise. Loopback unless a multi-node recipe asks otherwise.
     num_storage_units: TransferQueue storage-unit processes; rows are spread over them.
     encrypt: CURVE-encrypt every connection. None means: only when host is not loopback.
-    rpc_timeout_s: longest wait for one server reply before the server is declared unavailable.
-    wait_slice_s: long waits (lease, stream read, token) are cut into slices of this length, so a dead
+    rpc_timeout_s: longest wait for one server reply before the server is declared unavailable. A
+        server whose process ends is noticed at once (its connection closes); this bound is for one
+        that hangs or whose host vanished, and is generous because a loaded host can stall a healthy
+        server for seconds (a 5 s bound killed every role of a run beside a CI job).
+    wait_slice_s: long waits (lease, stream read, token) are cut into slices of this length, so a hung
         controller is noticed within wait_slice_s + rpc_timeout_s.
     start_timeout_s: longest wait for the servers to come up.
     lease_s: default lease length; rows not acked within it return to their task's pool.
@@ -27,7 +30,7 @@ class DataPlaneConfig:
     host: str = "127.0.0.1"
     num_storage_units: int = 1
     encrypt: bool | None = None
-    rpc_timeout_s: float = 5.0
+    rpc_timeout_s: float = 30.0
     wait_slice_s: float = 1.0
     start_timeout_s: float = 180.0
     lease_s: float = 60.0

@@ -13,7 +13,8 @@ import torch
 import zmq
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, format_zmq_address
 
-from meshy.dataplane.errors import DataPlaneError, ServerUnavailable
+from meshy.dataplane.connection import ServerConnection
+from meshy.dataplane.errors import DataPlaneError
 from meshy.dataplane.security import Credentials
 
 # TransferQueue storage units drop requests from identities without the TQ_STORAGE_ prefix.
@@ -30,22 +31,19 @@ class StorageChannel:
         self._creds = creds
         self._timeout = rpc_timeout_s
         self._owner = owner
-        self._socks: list[zmq.Socket | None] = [None] * len(units)
+        self._conns: list[ServerConnection | None] = [None] * len(units)
 
-    def _sock(self, u: int) -> zmq.Socket:
-        sock = self._socks[u]
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.sndhwm = 0
-            sock.rcvhwm = 0
-            sock.identity = (
-                f"{STORAGE_IDENTITY_PREFIX}{self._owner}_{threading.get_ident()}_{next(_socket_ids)}".encode()
+    def _connection(self, u: int) -> ServerConnection:
+        conn = self._conns[u]
+        if conn is None:
+            identity = f"{STORAGE_IDENTITY_PREFIX}{self._owner}_{threading.get_ident()}_{next(_socket_ids)}".encode()
+            conn = ServerConnection(
+                self._ctx, self._address(u), self._creds, f"storage unit {self._units[u]['id']}", identity
             )
-            self._creds.secure_client(sock)
-            sock.connect(self._address(u))
-            self._socks[u] = sock
-        return sock
+            conn.socket.sndhwm = 0
+            conn.socket.rcvhwm = 0
+            self._conns[u] = conn
+        return conn
 
     def _address(self, u: int) -> str:
         unit = self._units[u]
@@ -59,49 +57,54 @@ class StorageChannel:
             routes.setdefault(k % n, []).append(i)
         return routes
 
-    def _exchange(self, requests: dict[int, tuple[ZMQRequestType, dict]], ok: ZMQRequestType) -> dict[int, Any]:
-        for u, (kind, body) in requests.items():
-            msg = ZMQMessage.create(kind, sender_id=self._owner, receiver_id=self._units[u]["id"], body=body)
-            self._sock(u).send_multipart(msg.serialize(), copy=False)
-        deadline = time.monotonic() + self._timeout
-        replies = {}
-        for u in requests:
-            sock = self._sock(u)
-            if not sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
-                self._drop(u)
-                raise ServerUnavailable(
-                    f"storage unit {self._units[u]['id']} at {self._address(u)} did not answer "
-                    f"within rpc_timeout_s={self._timeout}"
-                )
-            reply = ZMQMessage.deserialize(sock.recv_multipart(copy=False))
-            if reply.request_type != ok:
-                raise DataPlaneError(f"storage unit {self._units[u]['id']}: {reply.body.get('message', reply.body)}")
-            replies[u] = reply.body
-        return replies
+    def _exchange(self, kind: ZMQRequestType, bodies: dict[int, dict], ok: ZMQRequestType) -> dict[int, Any]:
+        """Send one request of `kind` to each unit in `bodies`, then collect every reply."""
+        unanswered: list[int] = []
+        try:
+            for u, body in bodies.items():
+                msg = ZMQMessage.create(kind, sender_id=self._owner, receiver_id=self._units[u]["id"], body=body)
+                self._connection(u).send(msg.serialize(), kind.name, copy=False)
+                unanswered.append(u)
+            deadline = time.monotonic() + self._timeout
+            replies = {}
+            for u in bodies:
+                conn = self._connection(u)
+                conn.wait_reply(kind.name, deadline)
+                reply = ZMQMessage.deserialize(conn.socket.recv_multipart(copy=False))
+                unanswered.remove(u)
+                if reply.request_type != ok:
+                    raise DataPlaneError(
+                        f"storage unit {self._units[u]['id']}: {reply.body.get('message', reply.body)}"
+                    )
+                replies[u] = reply.body
+            return replies
+        finally:
+            for u in unanswered:
+                if not self._connection(u).gone:
+                    self._drop(u)  # its reply may still come, and would be read as the next call's
 
     def _drop(self, u: int) -> None:
-        """A socket whose reply never came is poisoned (a late reply would be read as the next one's)."""
-        sock = self._socks[u]
-        if sock is not None:
-            sock.close(linger=0)
-            self._socks[u] = None
+        """A connection whose reply is late is poisoned (the late reply would be read as the next one's)."""
+        conn = self._conns[u]
+        if conn is not None:
+            conn.close()
+            self._conns[u] = None
 
     def put(self, keys: list[int], values: dict[str, Any]) -> None:
         routes = self._route(keys)
-        requests = {}
+        bodies = {}
         for u, positions in routes.items():
             data = {name: _select(v, positions, len(keys)) for name, v in values.items()}
-            requests[u] = (ZMQRequestType.PUT_DATA, {"global_indexes": [keys[i] for i in positions], "data": data})
-        self._exchange(requests, ZMQRequestType.PUT_DATA_RESPONSE)
+            bodies[u] = {"global_indexes": [keys[i] for i in positions], "data": data}
+        self._exchange(ZMQRequestType.PUT_DATA, bodies, ZMQRequestType.PUT_DATA_RESPONSE)
 
     def get(self, keys: list[int], fields: list[str]) -> dict[str, list]:
         """Per field, the values stored under `keys`, in key order."""
         routes = self._route(keys)
-        requests = {
-            u: (ZMQRequestType.GET_DATA, {"global_indexes": [keys[i] for i in positions], "fields": fields})
-            for u, positions in routes.items()
+        bodies = {
+            u: {"global_indexes": [keys[i] for i in positions], "fields": fields} for u, positions in routes.items()
         }
-        replies = self._exchange(requests, ZMQRequestType.GET_DATA_RESPONSE)
+        replies = self._exchange(ZMQRequestType.GET_DATA, bodies, ZMQRequestType.GET_DATA_RESPONSE)
         out: dict[str, list] = {f: [None] * len(keys) for f in fields}
         for u, positions in routes.items():
             data = replies[u]["data"]
@@ -112,14 +115,11 @@ class StorageChannel:
         return out
 
     def clear(self, keys: list[int]) -> None:
-        requests = {
-            u: (ZMQRequestType.CLEAR_DATA, {"global_indexes": [keys[i] for i in positions]})
-            for u, positions in self._route(keys).items()
-        }
-        self._exchange(requests, ZMQRequestType.CLEAR_DATA_RESPONSE)
+        bodies = {u: {"global_indexes": [keys[i] for i in positions]} for u, positions in self._route(keys).items()}
+        self._exchange(ZMQRequestType.CLEAR_DATA, bodies, ZMQRequestType.CLEAR_DATA_RESPONSE)
 
     def close(self) -> None:
-        for u in range(len(self._socks)):
+        for u in range(len(self._conns)):
             self._drop(u)
 
 
