@@ -2,6 +2,7 @@
 
 import json
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from meshy.dataplane import ON_DEMAND, DataPlaneClient, DataPlaneConfig, Endpoints, GpuTokenRing
@@ -95,3 +96,73 @@ def churn_consumer(endpoints: str, secret: bytes, table: str, task: str, log: st
             result = client.ack(batch)
             out.write(json.dumps({"acked": result.acked, "stale": result.stale, "already": result.already}) + "\n")
             out.flush()
+
+
+def weight_sync_member(
+    port: int, rank: int, size: int, announced, out: str, corrupt: bool = False, quitter: int | None = None
+) -> None:
+    """One member of a weight-sync group: rank 0 packs seeded tensors into small buckets and broadcasts
+    them (announcing the version on `announced`, a queue standing in for the `weights` stream); the
+    others receive and write what they got, or the error, to `out`. Rank `quitter` exits instead of
+    receiving."""
+    import torch
+    import torch.distributed as dist
+
+    from meshy.dataplane import HOST
+    from meshy.dataplane.weight_sync import WeightSyncGroup
+    from meshy.dataplane.weights import COLLECTIVE, Published, pack_bucket, tensors_checksum
+
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=60))
+    group = WeightSyncGroup(store, rank, size, timeout_s=60)
+    if rank == 0:
+        tensors = sync_tensors()
+        buckets, manifest, sizes, pending, pending_bytes = [], [], {}, [], 0
+        for name, tensor in [*tensors.items(), ("end", None)]:
+            nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+            if pending and (tensor is None or pending_bytes + nbytes > 1000):  # several buckets
+                bucket = f"b{len(buckets)}"
+                sizes[bucket] = pending_bytes
+                buckets.append(torch.empty(pending_bytes, dtype=torch.uint8, device=HOST))
+                pack_bucket(buckets[-1], bucket, pending, manifest)
+                pending, pending_bytes = [], 0
+            if tensor is not None:
+                pending.append((name, tensor))
+                pending_bytes += nbytes
+        checksum = tensors_checksum({**tensors, "w": tensors["w"] + 1} if corrupt else tensors)
+        meta = {"config": {"model_type": "test"}, "buckets": sizes, "tensors": manifest}
+        published = Published(1, COLLECTIVE, json.dumps(meta), checksum, sum(sizes.values()), 0.0)
+        for _ in range(size - 1):
+            announced.put(published.to_message())
+        t0 = time.monotonic()
+        try:
+            group.send(published, buckets)
+        except Exception as e:
+            Path(out).write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - t0}))
+            return
+        Path(out).write_text(json.dumps({"buckets": len(buckets)}))
+        return
+    if rank == quitter:
+        Path(out).write_text("{}")
+        return
+    published = Published.from_message(announced.get(timeout=60))
+    try:
+        config, received = group.receive(published)
+    except Exception as e:
+        Path(out).write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        return
+    expected = sync_tensors()
+    same = sorted(received) == sorted(expected) and all(
+        received[n].dtype == expected[n].dtype and torch.equal(received[n], expected[n]) for n in expected
+    )
+    Path(out).write_text(json.dumps({"config": config, "bit_exact": same}))
+
+
+def sync_tensors() -> dict:
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    return {
+        "w": torch.randn(17, 13, generator=g, device="cpu").to(torch.bfloat16),
+        "b": torch.randn(300, generator=g, device="cpu"),
+        "e": torch.randn(2, 3, 5, generator=g, device="cpu").to(torch.float16),
+    }

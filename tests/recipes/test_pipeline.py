@@ -76,14 +76,16 @@ def check_run(
     assert len(trained) + len(dropped) == steps * GROUPS * GROUP
     assert len(set(trained + dropped)) == len(trained) + len(dropped), "no row trained twice"
     assert len(trained) == sum(m["rows_trained"] for m in metrics)
-    generated = records(run_dir, "inference-0")[-1]["rows"]  # by the last (resumed) run
+    engines = sorted(path.stem for path in (run_dir / "records").glob("inference-*.jsonl"))
+    generated = sum(records(run_dir, engine)[-1]["rows"] for engine in engines)  # by the last (resumed) run
     since = [m for m in metrics if m["version"] > resumed_at]
     assert sum(m["rows_trained"] + m["rows_dropped"] for m in since) <= generated
     for m in metrics:  # a version whose rows were all dropped (dynamic sampling) trained no token
         assert bool(m["staleness_histogram"]) == bool(m["rows_trained"]), m
         assert max((int(k.lstrip(">=")) for k in m["staleness_histogram"]), default=0) <= max_staleness, m
-    loaded = records(run_dir, "inference-0")[-1]["versions"]
-    assert loaded == sorted(set(loaded)), "inference loaded versions in order, each once"
+    for engine in engines:
+        loaded = records(run_dir, engine)[-1]["versions"]
+        assert loaded == sorted(set(loaded)), "inference loaded versions in order, each once"
     config = json.loads((run_dir / "final_weights" / "config.json").read_text())
     assert config["architectures"] == [architecture] and (run_dir / "final_weights" / "model.safetensors").is_file()
     assert (run_dir / "reward_curve.png").is_file() and (run_dir / "tensorboard").is_dir()
@@ -316,3 +318,18 @@ def test_a_killed_ppo_run_resumes_its_critic_from_the_checkpoint_of_the_policy_v
     starts = [r for r in records(run_dir, "critic-0") if r["kind"] == "critic_start"]
     assert [s["version"] for s in starts] == [0, expected] and starts[0]["steps"] == 0
     assert starts[1]["steps"] > 0, "the critic carried on from its saved state, not from a fresh one"
+
+
+def test_weights_broadcast_to_two_engines_reach_every_engine_every_version(tmp_path):
+    """publish = "collective": two FSDP training ranks gather each version and rank 0 broadcasts it to two
+    inference processes on the weight-sync group; each engine verifies the checksum (the trainer's full
+    tensors) before it loads. Nothing is written under weights/."""
+    recipe = small_recipe(tmp_path, "1", top='publish = "collective"\n')
+    text = recipe.read_text().replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2")
+    recipe.write_text(text.replace("[roles.inference]\nprocesses = 1", "[roles.inference]\nprocesses = 2"))
+    run_dir = run(recipe)
+    check_run(run_dir, 0)
+    for engine in ("inference-0", "inference-1"):
+        stats = records(run_dir, engine)[-1]
+        assert stats["failed_loads"] == 0 and stats["versions"][-1] == STEPS, stats
+    assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())

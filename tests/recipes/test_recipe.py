@@ -65,6 +65,21 @@ def test_the_embedded_default_loads_and_resolves():
         ),
         (lambda t: t + '\n[[roles.custom]]\nname = "training"\ncls = "x:Y"\n', "custom role name 'training'"),
         (
+            lambda t: (
+                'publish = "collective"\n' + t.replace("max_new_tokens = 3", 'max_new_tokens = 3\nengine = "sglang"')
+            ),
+            'publish: "collective" reaches the pure-torch engine only (sampling.engine = "torch")',
+        ),
+        (
+            lambda t: 'publish = "collective"\ncolocate = [["training", "inference"]]\n' + t,
+            'publish: "collective" needs inference running while training publishes; colocate ring '
+            "['training', 'inference'] makes them take turns",
+        ),
+        (
+            lambda t: 'publish = "nccl"\n' + t,
+            "Recipe.publish: expected Literal['disk', 'shared-memory', 'collective'], got str 'nccl'",
+        ),
+        (
             lambda t: t.replace("[algorithm.loss]", "[algorithm.loss]\nkl_coef = 0.05"),
             "algorithm.loss.kl_coef: KL to a reference policy (0.05) needs a [roles.reference] section",
         ),

@@ -19,6 +19,7 @@ from meshy.dataplane.errors import (
     RowConflictError,
     SchemaError,
     ServerUnavailable,
+    WeightSyncError,
 )
 from meshy.dataplane.gpu_ring import FALLBACK, ON_DEMAND, GpuTokenRing, Grant
 from meshy.dataplane.schema import Column, TableSpec
@@ -50,6 +51,7 @@ __all__ = [
     "StreamMessage",
     "StreamReader",
     "TableSpec",
+    "WeightSyncError",
     "free_cached",
     "new_secret",
     "secret_from_env",

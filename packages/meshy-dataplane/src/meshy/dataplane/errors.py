@@ -29,6 +29,10 @@ class RingError(DataPlaneError):
     """A GPU token ring operation is not allowed in the ring's current state."""
 
 
+class WeightSyncError(DataPlaneError):
+    """A broadcast on the weight-sync group failed: a member died or did not join within the timeout."""
+
+
 class DataPlaneTimeout(DataPlaneError, TimeoutError):
     """A wait (for a GPU token, for example) did not complete within its timeout."""
 

@@ -1,8 +1,12 @@
 """The `weights` control stream's contract between whoever publishes weights and whoever loads them.
 
-A message announces one version: where it is (an HF safetensors directory, or shared-memory buckets on
-this host), its size and a checksum of its tensors. `read_published` verifies the checksum before it
-returns anything, so a truncated or corrupted version is refused whole.
+A message announces one version: where it is (an HF safetensors directory, shared-memory buckets on
+this host, or buckets that follow on the weight-sync process group: meshy.dataplane.weight_sync), its
+size and a checksum of its tensors. Readers verify the checksum before they return anything, so a
+truncated or corrupted version is refused whole.
+
+Buckets (shared memory, collective) are flat byte buffers; the announcement's manifest says where each
+tensor lies in which bucket (name, dtype, shape, bucket, offset, nbytes).
 """
 
 import contextlib
@@ -20,6 +24,7 @@ from meshy.dataplane.hf_directory import HFDirectory
 WEIGHTS_STREAM = "weights"
 DISK = "hf-safetensors"
 SHARED_MEMORY = "shared-memory"
+COLLECTIVE = "collective"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -31,7 +36,8 @@ class CorruptWeights(DataPlaneError):
 class Published:
     """One version as announced on the `weights` stream.
 
-    location: the directory (DISK), or the JSON manifest of buckets (SHARED_MEMORY).
+    location: the directory (DISK), or the JSON of config.json, bucket sizes and the tensors' manifest
+        (SHARED_MEMORY, COLLECTIVE).
     checksum: xxh3-128 over the tensors (integrity against torn or truncated writes, not tampering).
     """
 
@@ -84,7 +90,10 @@ def read_published(published: Published) -> tuple[dict, dict[str, torch.Tensor]]
             return directory.config(), tensors  # config.json is not covered by the checksum
     if published.format == SHARED_MEMORY:
         return _read_shared_memory(published)
-    raise SchemaError(f"weights v{published.version}: format {published.format!r} is not {DISK} or {SHARED_MEMORY}")
+    raise SchemaError(
+        f"weights v{published.version}: format {published.format!r} is not {DISK} or {SHARED_MEMORY} "
+        f"({COLLECTIVE} versions are received on the weight-sync group: meshy.dataplane.weight_sync)"
+    )
 
 
 def verify_published(published: Published) -> tuple[HFDirectory, dict, dict[str, tuple[int, ...]]]:
@@ -115,6 +124,41 @@ def _check_checksum(published: Published, checksum: str) -> None:
         raise CorruptWeights(f"weights v{published.version} at {published.location}: checksum mismatch")
 
 
+def pack_bucket(buffer: torch.Tensor, bucket: str, tensors: list[tuple[str, torch.Tensor]], manifest: list) -> None:
+    """Copy `tensors` one after another into `buffer` (flat uint8, at least their total size), recording
+    each one's place in `manifest`."""
+    offset = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        manifest.append(
+            {
+                "name": name,
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "bucket": bucket,
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
+        offset += nbytes
+
+
+def unpack_buckets(
+    published: Published, manifest: list, buffers: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """HF name -> tensor (copies, so no view of a bucket outlives it), after verifying the checksum."""
+    tensors = {}
+    for entry in manifest:  # one expression per tensor, so no view of a bucket is left in this frame
+        start, end = entry["offset"], entry["offset"] + entry["nbytes"]
+        tensors[entry["name"]] = (
+            buffers[entry["bucket"]][start:end].view(DTYPES[entry["dtype"]]).view(entry["shape"]).clone()
+        )
+    if tensors_checksum(tensors) != published.checksum:
+        raise CorruptWeights(f"weights v{published.version} ({published.format}): checksum mismatch")
+    return tensors
+
+
 def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
     meta = json.loads(published.location)
     try:
@@ -122,18 +166,14 @@ def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Ten
     except FileNotFoundError as e:
         raise CorruptWeights(f"weights v{published.version}: shared-memory bucket gone ({e})") from None
     try:
-        tensors = {}
-        for entry in meta["tensors"]:
-            dtype, count = DTYPES[entry["dtype"]], torch.Size(entry["shape"]).numel()
-            # Cloned in one expression, so no view of the bucket outlives it (buckets get unlinked).
-            tensors[entry["name"]] = (
-                torch.frombuffer(buckets[entry["bucket"]].buf, dtype=dtype, count=count, offset=entry["offset"])
-                .view(entry["shape"])
-                .clone()
-            )
-        if tensors_checksum(tensors) != published.checksum:
-            raise CorruptWeights(f"weights v{published.version} in shared memory: checksum mismatch")
-        return meta["config"], tensors
+        buffers = {
+            name: torch.frombuffer(shm.buf, dtype=torch.uint8, count=max(meta["buckets"][name], 1))
+            for name, shm in buckets.items()
+        }
+        try:
+            return meta["config"], unpack_buckets(published, meta["tensors"], buffers)
+        finally:
+            del buffers  # no view of a bucket may outlive it (buckets get unlinked)
     finally:
         for shm in buckets.values():
             shm.close()

@@ -32,8 +32,9 @@ import torch
 from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
-from meshy.dataplane.weights import WEIGHTS_STREAM, CorruptWeights, Published
-from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, Engine, SamplingParams
+from meshy.dataplane.weight_sync import WeightSyncGroup
+from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, CorruptWeights, Published
+from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, Engine, SamplingParams, WeightsSource
 
 log = logging.getLogger(__name__)
 FINISH_ERROR = "error"
@@ -96,10 +97,21 @@ class InferenceStats:
 
 
 class InferenceService:
-    def __init__(self, client: DataPlaneClient, engine: Engine, config: InferenceServiceConfig):
+    """weight_sync: this engine's membership of the weight-sync group, when versions are broadcast
+    (collective publishing): then every announced version is received, in order, and the newest loaded."""
+
+    def __init__(
+        self,
+        client: DataPlaneClient,
+        engine: Engine,
+        config: InferenceServiceConfig,
+        weight_sync: WeightSyncGroup | None = None,
+    ):
         self.client = client
         self.engine = engine
         self.config = config
+        self.weight_sync = weight_sync
+        self._received = engine.weight_version  # the newest version joined on the weight-sync group
         self.stats = InferenceStats()
         self._in_flight: dict[int, asyncio.Task] = {}  # row id -> its task
         self._requests: dict[int, str] = {}  # row id -> its current engine request
@@ -295,24 +307,51 @@ class InferenceService:
         await asyncio.to_thread(reader.close)
 
     async def _load_newest(self, messages: list) -> None:
-        newest = max((Published.from_message(m.payload) for m in messages), key=lambda p: p.version, default=None)
-        if newest is None:
+        announced = sorted((Published.from_message(m.payload) for m in messages), key=lambda p: p.version)
+        if not announced:
             return
         async with self._loading:
+            if announced[-1].format == COLLECTIVE:
+                received = await self._receive(announced)
+                if received is not None and received[0] > self.engine.weight_version:
+                    await self._load(*received)
+                return
+            newest = announced[-1]
             if newest.version <= self.engine.weight_version:
                 return
             try:
-                await self._load(newest)
+                await self._load(newest.version, newest)
             except CorruptWeights as e:  # e.g. pruned because newer versions followed: wait for the next one
-                log.warning(
-                    "weights v%d not loaded (%s); generation goes on with v%d",
-                    newest.version,
-                    e,
-                    self.engine.weight_version,
-                )
-                self.stats.failed_loads += 1
+                self._not_loaded(newest.version, e)
 
-    async def _load(self, published: Published) -> None:
+    async def _receive(self, announced: list[Published]) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Join the broadcast of every announced version not joined yet, in order (the publisher sends each
+        once and waits for every engine, so none may be skipped); the newest one received intact."""
+        if self.weight_sync is None:
+            raise SchemaError(
+                f"weights v{announced[-1].version} are broadcast on the weight-sync group, "
+                "and this inference service is not in it"
+            )
+        newest = None
+        for published in announced:
+            if published.version <= self._received:
+                continue
+            self._received = published.version  # joined, whatever the outcome: it is not sent again
+            try:
+                _, tensors = await asyncio.to_thread(self.weight_sync.receive, published)
+            except CorruptWeights as e:
+                self._not_loaded(published.version, e)
+                continue
+            newest = (published.version, tensors)
+        return newest
+
+    def _not_loaded(self, version: int, error: CorruptWeights) -> None:
+        log.warning(
+            "weights v%d not loaded (%s); generation goes on with v%d", version, error, self.engine.weight_version
+        )
+        self.stats.failed_loads += 1
+
+    async def _load(self, version: int, source: WeightsSource) -> None:
         """Pause, abort what is in flight (it continues from its prefix), load, resume."""
         self._updating.clear()
         try:
@@ -321,9 +360,9 @@ class InferenceService:
                 for request_id in list(self._requests.values()):
                     self._aborted_for_update.add(request_id)
                     await self.engine.abort(request_id)
-            await self.engine.update_weights(published.version, published)
+            await self.engine.update_weights(version, source)
             self.stats.weight_updates += 1
-            self.stats.versions.append(published.version)
+            self.stats.versions.append(version)
         finally:
             self._updating.set()
             await self.engine.resume()

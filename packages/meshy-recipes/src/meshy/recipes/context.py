@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from meshy.dataplane import DataPlaneClient
 from meshy.dataplane import rollout as cols
+from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.topology import Slot
 
@@ -30,6 +31,7 @@ class RoleContext:
     slot: Slot
     run_dir: Path
     client: DataPlaneClient
+    weight_sync: WeightSyncGroup | None = None  # a member's place in the weight-sync group (collective)
     stop: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -7,10 +7,11 @@ from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.context import RoleContext
 
 
-def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False) -> Engine:
+def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False, version: int | None = None) -> Engine:
     """SGLang (imported only when named) or the pure-torch engine, on the process's device in the
     recipe's model dtype, sized by `sampling.max_in_flight` and `sampling.context_length`. colocate: the
-    engine will release and onload its device memory for a GPU token ring."""
+    engine will release and onload its device memory for a GPU token ring. version: the weights version
+    `source` holds (default: a Published source's, else 0)."""
     sampling, dtype = ctx.recipe.sampling, ctx.recipe.model.dtype
     if sampling.engine == "sglang":
         from meshy.infer.sglang_engine import SGLangEngine
@@ -27,6 +28,7 @@ def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False) 
             device="cuda" if ctx.slot.devices else "cpu",
             dtype=dtype,
             colocate=colocate,
+            version=version,
             **placement,
         )
     return TorchEngine(
@@ -35,4 +37,5 @@ def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False) 
         max_len=sampling.context_length,
         device=ctx.slot.device,
         dtype=dtype,
+        version=version,
     )

@@ -25,6 +25,7 @@ from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.topology import Slot, assign
 from meshy.recipes.watchdog import Watchdog
+from meshy.recipes.weight_sync import join_weight_sync
 from meshy.train.parallel import init_process_group
 
 RUN_DIR_ENV = "MESHY_RUN_DIR"
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
             rank=slot.index,
             world_size=slot.count,
         )
-    ctx = RoleContext(recipe, slot, directory, client)
+    weight_sync = join_weight_sync(recipe, slot, store)
+    ctx = RoleContext(recipe, slot, directory, client, weight_sync=weight_sync)
     ctx.record("start", rank=rank, pid=os.getpid(), dataplane=server.pids if server is not None else None)
     watchdog = Watchdog(client, ctx.table, directory, recipe.stall_after_s) if server is not None else None
     if watchdog is not None:

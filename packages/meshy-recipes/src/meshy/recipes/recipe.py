@@ -249,7 +249,9 @@ class Recipe:
     share devices at the same time, each within its `memory_fraction` of every GPU (their fractions
     add up to at most 1). stall_after_s: a run in which no rows move and no version is published for
     this long prints what every task waits for and stops (meshy.recipes.watchdog). publish: how
-    weights reach inference. extra_columns: columns added to the
+    weights reach inference: "disk" (HF directories), "shared-memory" (buckets on this host) or
+    "collective" (buckets broadcast from training rank 0 to every inference process on a process group
+    of their own: meshy.dataplane.weight_sync). extra_columns: columns added to the
     rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
 
     name: str
@@ -258,7 +260,7 @@ class Recipe:
     run_dir: str = "runs"
     checkpoint_every: int = 0
     stall_after_s: float = 300.0
-    publish: Literal["disk", "shared-memory"] = "disk"
+    publish: Literal["disk", "shared-memory", "collective"] = "disk"
     colocate: tuple[tuple[str, ...], ...] = ()
     share_devices: tuple[tuple[str, ...], ...] = ()
     extra_columns: tuple[Column, ...] = ()
@@ -282,6 +284,8 @@ class Recipe:
         if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
             raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
         self._check_reference(roles)
+        if self.publish == "collective":
+            self._check_collective()
         if self.algorithm.routing_replay:
             self._check_routing_replay()
         check_dataflow(self)
@@ -330,6 +334,21 @@ class Recipe:
                 raise SchemaError(
                     f"share_devices: roles {list(group)} need memory_fraction set, adding up to at most 1; got "
                     f"{dict(zip(group, fractions, strict=True))}"
+                )
+
+    def _check_collective(self) -> None:
+        """The broadcast needs every engine running and joining each version as it is announced: engines
+        that hand their devices to the trainer in turn cannot, and SGLang's update group is not wired."""
+        if self.sampling.engine != "torch":
+            raise SchemaError(
+                f'publish: "collective" reaches the pure-torch engine only (sampling.engine = "torch"); '
+                f'got sampling.engine = "{self.sampling.engine}": use publish = "disk" or "shared-memory"'
+            )
+        for ring in self.colocate:
+            if "training" in ring and "inference" in ring:
+                raise SchemaError(
+                    f'publish: "collective" needs inference running while training publishes; colocate ring '
+                    f'{list(ring)} makes them take turns: use publish = "disk" or "shared-memory"'
                 )
 
     def _check_reference(self, roles: dict) -> None:

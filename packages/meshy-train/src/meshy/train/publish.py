@@ -1,4 +1,5 @@
-"""Publishing trained weights: each version as a Hugging Face directory, or as shared-memory buckets.
+"""Publishing trained weights: each version as a Hugging Face directory, as shared-memory buckets, or as
+buckets broadcast to the engines on the weight-sync group (meshy.dataplane.weight_sync).
 
 Both publishers gather the model tensor by tensor (a DTensor's `full_tensor` is a collective every
 rank joins; only rank 0 keeps the result), so no rank ever holds a second copy of the whole model. Rank
@@ -20,14 +21,17 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from meshy.dataplane import DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, DataPlaneClient, SchemaError
+from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import (
+    COLLECTIVE,
     DISK,
     DTYPES,
     SHARED_MEMORY,
     WEIGHTS_STREAM,
     Published,
     combine_digests,
+    pack_bucket,
     tensor_digest,
 )
 from meshy.train.models import DecoderArch
@@ -49,6 +53,20 @@ def hf_tensors(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) ->
         if _is_writer():
             for hf_name, tensor in adapter.to_hf({name: full.detach()}).items():
                 yield hf_name, tensor.to(dtype).cpu().contiguous()  # converted where it lives (GPU: on device)
+
+
+def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Tensors in order, grouped into buckets of at most `bucket_bytes` (a larger tensor goes alone)."""
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    group_bytes = 0
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if groups[-1] and group_bytes + size > bucket_bytes:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append((name, tensor))
+        group_bytes += size
+    return groups
 
 
 def _check_dtype(dtype: str) -> None:
@@ -167,15 +185,7 @@ class SharedMemoryPublisher:
 
     def publish(self, model: torch.nn.Module, version: int) -> Published | None:
         start = time.perf_counter()
-        groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-        group_bytes = 0
-        for name, tensor in hf_tensors(model, self.arch, DTYPES[self.dtype]):
-            size = tensor.numel() * tensor.element_size()
-            if groups[-1] and group_bytes + size > self.bucket_bytes:
-                groups.append([])
-                group_bytes = 0
-            groups[-1].append((name, tensor))
-            group_bytes += size
+        groups = bucketed(hf_tensors(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
         if not _is_writer():
             return None
         manifest, buckets = [], []
@@ -198,23 +208,9 @@ class SharedMemoryPublisher:
     def _write_bucket(name: str, tensors: list[tuple[str, torch.Tensor]], manifest: list) -> shared_memory.SharedMemory:
         size = sum(t.numel() * t.element_size() for _, t in tensors)
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
-        offset = 0
-        for tensor_name, tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            target = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-            target.copy_(tensor.reshape(-1).view(torch.uint8))
-            del target
-            manifest.append(
-                {
-                    "name": tensor_name,
-                    "dtype": str(tensor.dtype).removeprefix("torch."),
-                    "shape": list(tensor.shape),
-                    "bucket": name,
-                    "offset": offset,
-                    "nbytes": nbytes,
-                }
-            )
-            offset += nbytes
+        buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=max(size, 1))
+        pack_bucket(buffer, name, tensors, manifest)
+        del buffer  # no view may outlive the mapping
         return shm
 
     def _unlink(self, version: int) -> None:
@@ -226,3 +222,52 @@ class SharedMemoryPublisher:
         """Unlink every version still held (readers must have loaded them)."""
         for version in list(self._versions):
             self._unlink(version)
+
+
+class CollectivePublisher:
+    """Version v as buckets that training rank 0 broadcasts to every engine on the weight-sync group, after
+    announcing it (config, bucket manifest, checksum) on the `weights` stream so the engines join. Nothing
+    touches disk; rank 0 holds one packed copy of the version while it is sent."""
+
+    def __init__(
+        self,
+        group: WeightSyncGroup | None,
+        arch: DecoderArch,
+        client: DataPlaneClient | None = None,
+        dtype: str = "bfloat16",
+        bucket_bytes: int = 512 << 20,
+        stream: str = WEIGHTS_STREAM,
+    ):
+        _check_dtype(dtype)
+        if bucket_bytes < 1:
+            raise SchemaError(f"publish bucket_bytes: expected >= 1, got {bucket_bytes}")
+        if group is None and _is_writer():
+            raise SchemaError("collective publishing: training rank 0 needs the weight-sync group")
+        self.group = group
+        self.arch = arch
+        self.client = client
+        self.stream = stream
+        self.dtype = dtype
+        self.bucket_bytes = bucket_bytes
+
+    def publish(self, model: torch.nn.Module, version: int) -> Published | None:
+        """Every rank calls this (the gather is a collective); rank 0 announces, then broadcasts."""
+        start = time.perf_counter()
+        groups = bucketed(hf_tensors(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
+        if not _is_writer():
+            return None
+        manifest, buckets, sizes, digests = [], [], {}, {}
+        for i, group in enumerate(groups):
+            name = f"b{i}"
+            sizes[name] = sum(t.numel() * t.element_size() for _, t in group)
+            buckets.append(torch.empty(sizes[name], dtype=torch.uint8, device=HOST))
+            pack_bucket(buckets[-1], name, group, manifest)
+            digests.update((tensor_name, tensor_digest(tensor)) for tensor_name, tensor in group)
+            group.clear()  # packed: the gathered tensors go
+        meta = {"config": self.arch.hf_config(self.dtype), "buckets": sizes, "tensors": manifest}
+        checksum, seconds = combine_digests(digests), time.perf_counter() - start  # gathered and packed
+        published = Published(version, COLLECTIVE, json.dumps(meta), checksum, sum(sizes.values()), seconds)
+        if self.client is not None:
+            self.client.append(self.stream, published.to_message())
+        self.group.send(published, buckets)
+        return published

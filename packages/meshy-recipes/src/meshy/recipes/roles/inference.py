@@ -2,7 +2,8 @@
 
 import asyncio
 
-from meshy.dataplane.weights import WEIGHTS_STREAM, Published
+from meshy.dataplane.model_source import ModelSource
+from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, Published
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
 from meshy.recipes.colocation import join_ring, record_released
 from meshy.recipes.context import RoleContext
@@ -17,13 +18,19 @@ class InferenceRole:
         self.ctx.watch_for_stop()
         asyncio.run(self._serve())
 
-    def _first_weights(self) -> Published | None:
+    def _first_weights(self) -> tuple[int, ModelSource] | None:
+        """The first version announced, and where to read it; a broadcast version is received here (every
+        broadcast is joined, in order: the publisher waits for every engine)."""
         reader = self.ctx.client.reader(WEIGHTS_STREAM, f"inference-{self.ctx.slot.index}-start", start=1)
         try:
             while not self.ctx.stop.is_set():
                 messages = reader.read(max_n=1024, timeout=1.0)
+                for message in messages:
+                    published = Published.from_message(message.payload)
+                    collective = published.format == COLLECTIVE
+                    source = self.ctx.weight_sync.receive(published) if collective else published
                 if messages:
-                    return Published.from_message(messages[-1].payload)
+                    return published.version, source
             return None
         finally:
             reader.close()
@@ -54,10 +61,11 @@ class InferenceRole:
 
     async def _serve(self) -> None:
         ctx, sampling = self.ctx, self.ctx.recipe.sampling
-        published = await asyncio.to_thread(self._first_weights)
-        if published is None:
+        first = await asyncio.to_thread(self._first_weights)
+        if first is None:
             return
-        engine = build_engine(ctx, published, colocate=ctx.slot.ring is not None)
+        version, source = first
+        engine = build_engine(ctx, source, colocate=ctx.slot.ring is not None, version=version)
         config = InferenceServiceConfig(
             table=ctx.table,
             max_in_flight=sampling.max_in_flight,
@@ -70,7 +78,7 @@ class InferenceRole:
             # Lock-step with the pure-torch engine replays token for token when batches do not hang on timing.
             waves=ctx.recipe.algorithm.window == 1 and sampling.engine == "torch",
         )
-        service = InferenceService(ctx.client, engine, config)
+        service = InferenceService(ctx.client, engine, config, weight_sync=ctx.weight_sync)
 
         async def serve(stop: asyncio.Event) -> InferenceStats:
             sharing = asyncio.create_task(self._share_devices(engine, stop))

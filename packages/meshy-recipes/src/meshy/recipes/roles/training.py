@@ -3,6 +3,7 @@
 import json
 import shutil
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from meshy.recipes.progress import Progress
 from meshy.recipes.reference_weights import publish_reference
 from meshy.train import checkpoint, offload
 from meshy.train.parallel import build_model
-from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher
+from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyTrainer
 
@@ -32,6 +33,8 @@ class TrainingRole:
         dtype = recipe.model.dtype
         if recipe.publish == "shared-memory":
             publisher = SharedMemoryPublisher(f"meshy-{ctx.run_dir.name}", self.arch, ctx.client, dtype=dtype)
+        elif recipe.publish == "collective":
+            publisher = CollectivePublisher(ctx.weight_sync, self.arch, ctx.client, dtype=dtype)
         else:
             publisher = DirectoryPublisher(ctx.run_dir / "weights", self.arch, ctx.client, dtype=dtype, keep=4)
         self.publisher = publisher
@@ -82,9 +85,9 @@ class TrainingRole:
             self.service.close()
             if ring is not None:
                 ring.close()
+        final = self._keep_final_weights()
         if self.lead:
             curve = progress.close()
-            final = self._keep_final_weights()
             announce_stop(ctx.client, f"trained {steps} versions")
             print(
                 f"run directory: {ctx.run_dir}\n  final weights (HF): {final}\n  reward curve: {curve}\n"
@@ -123,15 +126,22 @@ class TrainingRole:
         free_cached(self.device)
         record_released(self.ctx)
 
-    def _keep_final_weights(self):
+    def _keep_final_weights(self) -> Path:
+        """The last version as an HF directory; every rank calls it (gathering the model is a collective)."""
         final = self.ctx.run_dir / "final_weights"
-        last = self.ctx.run_dir / "weights" / f"v{self.service.version:06d}"
-        if isinstance(self.publisher, DirectoryPublisher) and last.is_dir():
-            shutil.copytree(last, final, dirs_exist_ok=True)
-        else:  # shared-memory versions vanish with the run: write the last one to disk
-            DirectoryPublisher(self.ctx.run_dir / "final", self.arch, None, dtype="float32").publish(
+        if isinstance(self.publisher, DirectoryPublisher):
+            if self.lead:
+                shutil.copytree(
+                    self.ctx.run_dir / "weights" / f"v{self.service.version:06d}", final, dirs_exist_ok=True
+                )
+        else:  # shared-memory and broadcast versions vanish with the run: write the last one to disk
+            published = DirectoryPublisher(self.ctx.run_dir / "final", self.arch, None, dtype="float32").publish(
                 self.trainer.model, self.service.version
             )
-            final = self.ctx.run_dir / "final" / f"v{self.service.version:06d}"
-        self.ctx.record("final", path=str(final), stream=WEIGHTS_STREAM)
+            if self.lead:
+                shutil.rmtree(final, ignore_errors=True)
+                Path(published.location).rename(final)
+                (self.ctx.run_dir / "final").rmdir()
+        if self.lead:
+            self.ctx.record("final", path=str(final), stream=WEIGHTS_STREAM)
         return final

@@ -1,0 +1,75 @@
+"""The collective weights transport: the publishing trainer broadcasts each version, in buckets, to every
+engine process over a process group of their own, the weight-sync group.
+
+Members derive the group from the topology at start (nothing is discovered at run time): rank 0 is the
+publisher, ranks 1.. the engines. The `weights` stream stays the only signal: it announces a version
+(its manifest of buckets and its checksum) before the buckets are broadcast, an engine that reads the
+announcement joins the broadcast, and checks the checksum before it loads anything. The publisher
+broadcasts each version once and every engine joins every version, in order; a member that dies fails
+the others' broadcast (gloo notices the closed connection), and one that never joins fails it at the
+group's timeout.
+
+The group runs on gloo over host buffers, on CPU and GPU hosts alike (NCCL is not wired yet).
+"""
+
+import json
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshy.dataplane.devices import HOST
+from meshy.dataplane.errors import SchemaError, WeightSyncError
+from meshy.dataplane.weights import COLLECTIVE, Published, unpack_buckets
+
+STORE_PREFIX = "meshy/weight-sync"
+PUBLISHER = 0  # the group rank that broadcasts
+
+
+class WeightSyncGroup:
+    """This process's membership of the run's weight-sync group (`size` members, this one `rank`),
+    rendezvousing through `store`. Construction waits until every member has joined."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float = 300.0):
+        if size < 2 or not 0 <= rank < size:
+            raise SchemaError(f"weight-sync group: expected 0 <= rank < size and size >= 2, got rank {rank} of {size}")
+        if not timeout_s > 0:
+            raise SchemaError(f"weight-sync group timeout_s: expected seconds > 0, got {timeout_s!r}")
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        prefixed = dist.PrefixStore(STORE_PREFIX, store)
+        try:
+            self._group = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # the store's wait for the other members timed out
+            raise WeightSyncError(
+                f"weight-sync group rank {rank} of {size}: not every member joined within {timeout_s:.0f} s: {e}"
+            ) from None
+
+    def send(self, published: Published, buckets: list[torch.Tensor]) -> None:
+        """Broadcast a version's buckets (flat uint8 host tensors, in manifest order) to every engine."""
+        if self.rank != PUBLISHER:
+            raise SchemaError(f"weight-sync group: rank {self.rank} receives; only rank {PUBLISHER} sends")
+        for i, bucket in enumerate(buckets):
+            self._broadcast(bucket, f"v{published.version} bucket {i + 1}/{len(buckets)}")
+
+    def receive(self, published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(config.json, HF name -> tensor) of an announced version, after verifying its checksum
+        (CorruptWeights if it does not match)."""
+        if published.format != COLLECTIVE:
+            raise SchemaError(f"weights v{published.version}: format {published.format!r}, expected {COLLECTIVE}")
+        if self.rank == PUBLISHER:
+            raise SchemaError(f"weight-sync group: rank {PUBLISHER} sends; it does not receive")
+        meta = json.loads(published.location)
+        buffers = {}
+        for i, (name, size) in enumerate(meta["buckets"].items()):
+            buffers[name] = torch.empty(size, dtype=torch.uint8, device=HOST)
+            self._broadcast(buffers[name], f"v{published.version} bucket {i + 1}/{len(meta['buckets'])}")
+        return meta["config"], unpack_buckets(published, meta["tensors"], buffers)
+
+    def _broadcast(self, buffer: torch.Tensor, what: str) -> None:
+        try:
+            self._group.broadcast([buffer], dist.BroadcastOptions()).wait()
+        except RuntimeError as e:
+            raise WeightSyncError(
+                f"weight-sync group rank {self.rank} of {self.size}: broadcast of {what} failed "
+                f"(a member died, or did not join within {self.timeout_s:.0f} s): {e}"
+            ) from None

@@ -1,0 +1,66 @@
+"""The collective weights transport with real processes: one publisher, two engines, a TCP store."""
+
+import json
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from meshy.dataplane import SchemaError
+from meshy.dataplane.errors import WeightSyncError
+from meshy.dataplane.weight_sync import WeightSyncGroup
+from tests.dataplane import workers
+
+
+def run_group(mp_context, tmp_path, corrupt: bool = False, quitter: int | None = None, members: int = 3) -> list[dict]:
+    store = dist.TCPStore(
+        "127.0.0.1", 0, members, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    announced = mp_context.Queue()
+    outs = [tmp_path / f"member{r}.json" for r in range(members)]
+    procs = [
+        mp_context.Process(
+            target=workers.weight_sync_member, args=(store.port, r, members, announced, str(outs[r]), corrupt, quitter)
+        )
+        for r in range(members)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"member exited with {p.exitcode}"
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def test_every_engine_receives_the_version_bit_for_bit_in_several_buckets(mp_context, tmp_path):
+    sender, *engines = run_group(mp_context, tmp_path)
+    assert sender["buckets"] > 1
+    assert engines == [{"config": {"model_type": "test"}, "bit_exact": True}] * 2
+
+
+def test_a_version_whose_bytes_do_not_match_its_checksum_is_refused(mp_context, tmp_path):
+    _, *engines = run_group(mp_context, tmp_path, corrupt=True)
+    for engine in engines:
+        assert engine["error"] == "CorruptWeights: weights v1 (collective): checksum mismatch"
+
+
+def test_an_engine_that_dies_fails_the_publisher_s_broadcast_at_once_not_at_the_timeout(mp_context, tmp_path):
+    sender, *_ = run_group(mp_context, tmp_path, quitter=2)
+    assert sender["error"].startswith("WeightSyncError: weight-sync group rank 0 of 3: broadcast of v1 bucket")
+    assert sender["after_s"] < 30  # the group's timeout is 60 s
+
+
+def test_a_member_that_never_joins_fails_the_group_at_its_timeout_naming_it():
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="rank 0 of 2: not every member joined within 2 s"):
+        WeightSyncGroup(store, 0, 2, timeout_s=2)
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize(("rank", "size", "timeout_s"), [(0, 1, 60.0), (2, 2, 60.0), (0, 2, 0.0)])
+def test_a_group_that_cannot_exist_is_refused_naming_what(rank, size, timeout_s):
+    store = dist.HashStore()
+    with pytest.raises(SchemaError, match="weight-sync group"):
+        WeightSyncGroup(store, rank, size, timeout_s=timeout_s)
