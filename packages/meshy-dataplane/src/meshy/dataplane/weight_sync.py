@@ -63,7 +63,7 @@ class WeightSyncGroup:
         for i, (name, size) in enumerate(meta["buckets"].items()):
             buffers[name] = torch.empty(size, dtype=torch.uint8, device=HOST)
             self._broadcast(buffers[name], f"v{published.version} bucket {i + 1}/{len(meta['buckets'])}")
-        return meta["config"], unpack_buckets(published, meta["tensors"], buffers)
+        return meta["config"], unpack_buckets(published, meta["tensors"], buffers, copy=False)
 
     def _broadcast(self, buffer: torch.Tensor, what: str) -> None:
         try:

@@ -145,15 +145,16 @@ def pack_bucket(buffer: torch.Tensor, bucket: str, tensors: list[tuple[str, torc
 
 
 def unpack_buckets(
-    published: Published, manifest: list, buffers: Mapping[str, torch.Tensor]
+    published: Published, manifest: list, buffers: Mapping[str, torch.Tensor], copy: bool = True
 ) -> dict[str, torch.Tensor]:
-    """HF name -> tensor (copies, so no view of a bucket outlives it), after verifying the checksum."""
+    """HF name -> tensor, after verifying the checksum. copy: tensors are copies, so no view of a bucket
+    outlives it (shared memory gets unlinked); without, they are views into `buffers` (no second copy)."""
     tensors = {}
-    for entry in manifest:  # one expression per tensor, so no view of a bucket is left in this frame
+    for entry in manifest:
         start, end = entry["offset"], entry["offset"] + entry["nbytes"]
-        tensors[entry["name"]] = (
-            buffers[entry["bucket"]][start:end].view(DTYPES[entry["dtype"]]).view(entry["shape"]).clone()
-        )
+        view = buffers[entry["bucket"]][start:end].view(DTYPES[entry["dtype"]]).view(entry["shape"])
+        tensors[entry["name"]] = view.clone() if copy else view
+        del view  # no view of a bucket is left in this frame (a traceback would keep it alive)
     if tensors_checksum(tensors) != published.checksum:
         raise CorruptWeights(f"weights v{published.version} ({published.format}): checksum mismatch")
     return tensors
