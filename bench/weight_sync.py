@@ -1,0 +1,135 @@
+"""Weight sync: from "the trainer holds version v+1" to "the engine serves v+1", over each transport, in
+one run on this machine.
+
+    uv run python bench/weight_sync.py [--models qwen3-0.6b qwen3-1.7b] [--versions 3] [--dtype bfloat16]
+
+The trainer (this process, one rank, random weights) publishes versions in `--dtype` as a recipe's
+`publish` would: `disk` (HF safetensors directories), `shared-memory` (buckets on this host) and
+`collective` (buckets broadcast on a gloo weight-sync group). One TorchEngine in a child process loads
+each version, verifying its checksum, as the inference service does; the announcement reaches it over a
+queue, standing in for the `weights` stream. Between versions the weights change (not timed). Each
+transport runs `--versions` versions; the table shows the median seconds from publish start to the
+engine holding the version, the GB of one version, GB/s and the speedup over disk. `delta` is not
+implemented yet, so it has no row.
+"""
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshy.dataplane.weight_sync import WeightSyncGroup
+from meshy.dataplane.weights import COLLECTIVE, Published
+from meshy.infer.torch_engine import TorchEngine
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
+
+TRANSPORTS = ("disk", "shared-memory", "collective")
+
+
+class QueueStream:
+    """What a publisher appends to the `weights` stream goes to the engine process's queue."""
+
+    def __init__(self, queue: multiprocessing.Queue):
+        self.queue = queue
+
+    def append(self, stream: str, payload: dict) -> int:
+        self.queue.put(payload)
+        return 0
+
+
+def engine_process(port: int, first: str, dtype: str, announced, done) -> None:
+    group = WeightSyncGroup(dist.TCPStore("127.0.0.1", port, 2, is_master=False), 1, 2, timeout_s=600)
+    engine = TorchEngine(first, max_running=1, max_len=8, dtype=dtype)
+    loop = asyncio.new_event_loop()
+    done.put(engine.weight_version)
+    while (message := announced.get()) is not None:
+        published = Published.from_message(message)
+        source = group.receive(published)[1] if published.format == COLLECTIVE else published
+        loop.run_until_complete(engine.update_weights(published.version, source))
+        assert engine.weight_version == published.version
+        done.put(time.monotonic())
+        del source
+    loop.run_until_complete(engine.close())
+
+
+def perturb(model: torch.nn.Module, step: int) -> None:
+    """A stand-in for one optimizer step: every weight moves a little."""
+    g = torch.Generator(device="cpu").manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype), alpha=1e-3)
+
+
+def bench_model(name: str, args: argparse.Namespace, root: Path) -> list[dict]:
+    arch = get_model(name)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
+    first = DirectoryPublisher(root / "first", arch, dtype=args.dtype).publish(model, 0).location
+    ctx = multiprocessing.get_context("spawn")
+    announced, done = ctx.Queue(), ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
+    engine = ctx.Process(target=engine_process, args=(store.port, first, args.dtype, announced, done))
+    engine.start()
+    group = WeightSyncGroup(store, 0, 2, timeout_s=600)
+    done.get(timeout=600)  # the engine is up, serving version 0
+    stream = QueueStream(announced)
+    publishers = {
+        "disk": DirectoryPublisher(root / "weights", arch, stream, dtype=args.dtype, keep=2),
+        "shared-memory": SharedMemoryPublisher(f"meshy-bench-{name}", arch, stream, dtype=args.dtype, keep=2),
+        "collective": CollectivePublisher(group, arch, stream, dtype=args.dtype),
+    }
+    rows, version = [], 0
+    try:
+        for transport in TRANSPORTS:
+            seconds = []
+            for _ in range(args.versions):
+                version += 1
+                perturb(model, version)
+                start = time.monotonic()
+                published = publishers[transport].publish(model, version)
+                seconds.append(done.get(timeout=600) - start)
+            rows.append(
+                {
+                    "model": name,
+                    "transport": transport,
+                    "gb": published.num_bytes / 1e9,
+                    "s": statistics.median(seconds),
+                }
+            )
+    finally:
+        announced.put(None)
+        engine.join(120)
+        publishers["shared-memory"].close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"])
+    parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        with tempfile.TemporaryDirectory(prefix="meshy-bench-weights-") as root:
+            rows += bench_model(name, args, Path(root))
+    print(f"\nweight sync, {args.dtype}, median of {args.versions} versions, trainer and engine on this host (CPU)")
+    print("| model | transport | GB per version | seconds | GB/s | vs disk |\n|---|---|---|---|---|---|")
+    for row in rows:
+        disk = next(r["s"] for r in rows if r["model"] == row["model"] and r["transport"] == "disk")
+        print(
+            f"| {row['model']} | {row['transport']} | {row['gb']:.2f} | {row['s']:.2f} | "
+            f"{row['gb'] / row['s']:.2f} | {disk / row['s']:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
