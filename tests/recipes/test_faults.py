@@ -43,9 +43,19 @@ def wait_for_version(run, run_root, version: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["rollout-0", "inference-0", "training-1", "dataplane"])
-def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss(tmp_path, target):
-    recipe = small_recipe(tmp_path, "1", steps=STEPS)
+@pytest.mark.parametrize(
+    ("target", "publish"),
+    [
+        ("rollout-0", "disk"),
+        ("inference-0", "disk"),
+        ("training-1", "disk"),
+        ("dataplane", "disk"),
+        ("inference-0", "collective"),  # the trainer's broadcast fails, not hangs
+        ("training-0", "collective"),  # the publisher: engines waiting for a broadcast fail, not hang
+    ],
+)
+def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss(tmp_path, target, publish):
+    recipe = small_recipe(tmp_path, "1", top=f'publish = "{publish}"\n', steps=STEPS)
     text = re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 2", recipe.read_text(), flags=re.M)
     recipe.write_text(text.replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2"))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
