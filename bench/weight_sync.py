@@ -5,12 +5,13 @@ one run on this machine.
 
 The trainer (this process, one rank, random weights) publishes versions in `--dtype` as a recipe's
 `publish` would: `disk` (HF safetensors directories), `shared-memory` (buckets on this host) and
-`collective` (buckets broadcast on a gloo weight-sync group). One TorchEngine in a child process loads
+`collective` (buckets broadcast on a gloo weight-sync group), and `collective+delta` (only what changed
+since the previous version; its first, whole version is not timed). One TorchEngine in a child process loads
 each version, verifying its checksum, as the inference service does; the announcement reaches it over a
-queue, standing in for the `weights` stream. Between versions the weights change (not timed). Each
-transport runs `--versions` versions; the table shows the median seconds from publish start to the
-engine holding the version, the GB of one version, GB/s and the speedup over disk. `delta` is not
-implemented yet, so it has no row.
+queue, standing in for the `weights` stream. Between versions the weights change as one RL step at
+lr 1e-6 changes them (every float32 weight moves by 1e-6; not timed). Each transport runs `--versions`
+versions; the table shows the median seconds from publish start to the engine holding the version, the
+GB moved per version (and its share of a whole version), GB/s and the speedup over disk.
 """
 
 import argparse
@@ -32,7 +33,7 @@ from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
 
-TRANSPORTS = ("disk", "shared-memory", "collective")
+TRANSPORTS = ("disk", "shared-memory", "collective", "collective+delta")
 
 
 class QueueStream:
@@ -61,12 +62,12 @@ def engine_process(port: int, first: str, dtype: str, announced, done) -> None:
     loop.run_until_complete(engine.close())
 
 
-def perturb(model: torch.nn.Module, step: int) -> None:
-    """A stand-in for one optimizer step: every weight moves a little."""
+def rl_step(model: torch.nn.Module, step: int) -> None:
+    """What one Adam step at lr 1e-6 does to the float32 weights: each moves by about the learning rate."""
     g = torch.Generator(device="cpu").manual_seed(step)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype), alpha=1e-3)
+            p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype).sign(), alpha=1e-6)
 
 
 def bench_model(name: str, args: argparse.Namespace, root: Path) -> list[dict]:
@@ -85,22 +86,30 @@ def bench_model(name: str, args: argparse.Namespace, root: Path) -> list[dict]:
         "disk": DirectoryPublisher(root / "weights", arch, stream, dtype=args.dtype, keep=2),
         "shared-memory": SharedMemoryPublisher(f"meshy-bench-{name}", arch, stream, dtype=args.dtype, keep=2),
         "collective": CollectivePublisher(group, arch, stream, dtype=args.dtype),
+        "collective+delta": CollectivePublisher(group, arch, stream, dtype=args.dtype, delta=True, full_every=1000),
     }
     rows, version = [], 0
     try:
         for transport in TRANSPORTS:
-            seconds = []
-            for _ in range(args.versions):
+            seconds, moved, full = [], [], None
+            for _ in range(args.versions + (transport == "collective+delta")):
                 version += 1
-                perturb(model, version)
+                rl_step(model, version)
                 start = time.monotonic()
                 published = publishers[transport].publish(model, version)
-                seconds.append(done.get(timeout=600) - start)
+                arrived = done.get(timeout=600)
+                if full is None:
+                    full = published.num_bytes
+                    if transport == "collective+delta":
+                        continue  # the whole version the deltas start from
+                seconds.append(arrived - start)
+                moved.append(published.num_bytes)
             rows.append(
                 {
                     "model": name,
                     "transport": transport,
-                    "gb": published.num_bytes / 1e9,
+                    "gb": statistics.median(moved) / 1e9,
+                    "share": statistics.median(moved) / full,
                     "s": statistics.median(seconds),
                 }
             )
@@ -122,11 +131,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="meshy-bench-weights-") as root:
             rows += bench_model(name, args, Path(root))
     print(f"\nweight sync, {args.dtype}, median of {args.versions} versions, trainer and engine on this host (CPU)")
-    print("| model | transport | GB per version | seconds | GB/s | vs disk |\n|---|---|---|---|---|---|")
+    print("| model | transport | GB moved per version | share of a version | seconds | GB/s | vs disk |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         disk = next(r["s"] for r in rows if r["model"] == row["model"] and r["transport"] == "disk")
         print(
-            f"| {row['model']} | {row['transport']} | {row['gb']:.2f} | {row['s']:.2f} | "
+            f"| {row['model']} | {row['transport']} | {row['gb']:.3f} | {row['share']:.1%} | {row['s']:.2f} | "
             f"{row['gb'] / row['s']:.2f} | {disk / row['s']:.2f}x |"
         )
 

@@ -320,11 +320,12 @@ def test_a_killed_ppo_run_resumes_its_critic_from_the_checkpoint_of_the_policy_v
     assert starts[1]["steps"] > 0, "the critic carried on from its saved state, not from a fresh one"
 
 
-def test_weights_broadcast_to_two_engines_reach_every_engine_every_version(tmp_path):
-    """publish = "collective": two FSDP training ranks gather each version and rank 0 broadcasts it to two
-    inference processes on the weight-sync group; each engine verifies the checksum (the trainer's full
-    tensors) before it loads. Nothing is written under weights/."""
-    recipe = small_recipe(tmp_path, "1", top='publish = "collective"\n')
+@pytest.mark.parametrize("delta", [False, True])
+def test_weights_broadcast_to_two_engines_reach_every_engine_every_version(tmp_path, delta):
+    """publish = "collective": two FSDP training ranks gather each version and rank 0 broadcasts it (or,
+    with delta, what changed) to two inference processes on the weight-sync group; each engine verifies
+    the checksum (the trainer's full tensors) before it loads. Nothing is written under weights/."""
+    recipe = small_recipe(tmp_path, "1", top=f'publish = "collective"\ndelta = {str(delta).lower()}\n')
     text = recipe.read_text().replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2")
     recipe.write_text(text.replace("[roles.inference]\nprocesses = 1", "[roles.inference]\nprocesses = 2"))
     run_dir = run(recipe)

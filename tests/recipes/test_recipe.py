@@ -76,6 +76,10 @@ def test_the_embedded_default_loads_and_resolves():
             "['training', 'inference'] makes them take turns",
         ),
         (
+            lambda t: "delta = true\n" + t,
+            'delta: sending only what changed needs publish = "collective", got "disk"',
+        ),
+        (
             lambda t: 'publish = "nccl"\n' + t,
             "Recipe.publish: expected Literal['disk', 'shared-memory', 'collective'], got str 'nccl'",
         ),

@@ -1,15 +1,20 @@
 import json
+import queue
 import re
+import threading
+import time
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import CorruptWeights, Published, read_published
 from meshy.train.logprobs import forward_logits
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, load_weights
-from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher
+from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher, hf_tensors
 
 
 @pytest.mark.parametrize(
@@ -121,3 +126,72 @@ def test_meta_instantiation_gives_the_published_parameter_counts():
         if name in published:
             assert stored == published[name], name
     assert get_model("minicpm5-1b").num_parameters() == 1_080_632_832
+
+
+class Announcements:
+    """The `weights` stream, for a publisher and one receiver on two threads of this process."""
+
+    def __init__(self):
+        self.messages: queue.Queue = queue.Queue()
+
+    def append(self, stream: str, payload: dict) -> int:
+        self.messages.put(payload)
+        return 0
+
+
+def rl_step(model: torch.nn.Module, step: int) -> None:
+    """What one RL step at lr 1e-6 does to the weights: each moves by about the learning rate."""
+    g = torch.Generator(device="cpu").manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device="cpu").sign(), alpha=1e-6)
+
+
+def test_collective_deltas_rebuild_every_version_bit_for_bit_and_send_a_full_one_every_full_every():
+    """A publisher and an engine on a real gloo weight-sync group (two threads): v0 whole, then deltas
+    after RL-sized steps, v3 whole again (full_every = 3); each version the engine gets is the trainer's,
+    bit for bit, and a delta moves a fraction of the bytes."""
+    arch = get_model("qwen3-tiny")
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
+    store = dist.HashStore()
+    stream, received, errors = Announcements(), {}, []
+    engine_group: list[WeightSyncGroup] = []
+
+    def engine() -> None:
+        engine_group.append(WeightSyncGroup(store, 1, 2, timeout_s=60))
+        for _ in range(5):
+            published = Published.from_message(stream.messages.get(timeout=60))
+            try:
+                received[published.version] = (published, engine_group[0].receive(published)[1])
+            except CorruptWeights as e:
+                errors.append(str(e))
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    publisher = CollectivePublisher(
+        WeightSyncGroup(store, 0, 2, timeout_s=60), arch, stream, dtype="bfloat16", delta=True, full_every=3
+    )
+    expected = {}
+    for version in range(5):
+        if version:
+            rl_step(model, version)
+        expected[version] = dict(hf_tensors(model, arch, torch.bfloat16))
+        if version == 4:  # as if this engine had missed v3: the delta on v3 cannot be applied
+            deadline = time.monotonic() + 60
+            while 3 not in received and time.monotonic() < deadline:
+                time.sleep(0.01)
+            thread_base = engine_group[0]._base_version
+            engine_group[0]._base_version = 2
+        publisher.publish(model, version)
+    thread.join(60)
+    assert errors == ["weights v4: a delta on v3, and this engine holds v2; it waits for the next full version"]
+    assert thread_base == 3
+    assert sorted(received) == [0, 1, 2, 3]
+    kinds = {v: "delta" in json.loads(p.location) for v, (p, _) in received.items()}
+    assert kinds == {0: False, 1: True, 2: True, 3: False}
+    for version, (published, tensors) in received.items():
+        assert list(tensors) == list(expected[version])
+        for name, tensor in expected[version].items():
+            assert torch.equal(tensors[name].view(torch.int16), tensor.view(torch.int16)), (version, name)
+        if kinds[version]:
+            assert published.num_bytes < 0.5 * received[0][0].num_bytes, "a delta after an RL step is small"

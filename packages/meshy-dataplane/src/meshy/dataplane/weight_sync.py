@@ -4,10 +4,11 @@ engine process over a process group of their own, the weight-sync group.
 Members derive the group from the topology at start (nothing is discovered at run time): rank 0 is the
 publisher, ranks 1.. the engines. The `weights` stream stays the only signal: it announces a version
 (its manifest of buckets and its checksum) before the buckets are broadcast, an engine that reads the
-announcement joins the broadcast, and checks the checksum before it loads anything. The publisher
-broadcasts each version once and every engine joins every version, in order; a member that dies fails
-the others' broadcast (gloo notices the closed connection), and one that never joins fails it at the
-group's timeout.
+announcement joins the broadcast, and checks the checksum before it loads anything. A version may be a
+delta on the one before (meshy.dataplane.weight_delta); each member keeps the last version it received
+intact to rebuild it. The publisher broadcasts each version once and every engine joins every version,
+in order; a member that dies fails the others' broadcast (gloo notices the closed connection), and one
+that never joins fails it at the group's timeout.
 
 The group runs on gloo over host buffers, on CPU and GPU hosts alike (NCCL is not wired yet).
 """
@@ -18,9 +19,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshy.dataplane import weight_delta
 from meshy.dataplane.devices import HOST
 from meshy.dataplane.errors import SchemaError, WeightSyncError
-from meshy.dataplane.weights import COLLECTIVE, Published, unpack_buckets
+from meshy.dataplane.weights import COLLECTIVE, CorruptWeights, Published, unpack_buckets, verify
 
 STORE_PREFIX = "meshy/weight-sync"
 PUBLISHER = 0  # the group rank that broadcasts
@@ -36,6 +38,8 @@ class WeightSyncGroup:
         if not timeout_s > 0:
             raise SchemaError(f"weight-sync group timeout_s: expected seconds > 0, got {timeout_s!r}")
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self._base: dict[str, torch.Tensor] = {}  # the last version received intact: what deltas apply to
+        self._base_version: int | None = None
         prefixed = dist.PrefixStore(STORE_PREFIX, store)
         try:
             self._group = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
@@ -53,7 +57,8 @@ class WeightSyncGroup:
 
     def receive(self, published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
         """(config.json, HF name -> tensor) of an announced version, after verifying its checksum
-        (CorruptWeights if it does not match)."""
+        (CorruptWeights if it does not match, or if it is a delta on a version this member does not hold:
+        then the next full version puts it back on track)."""
         if published.format != COLLECTIVE:
             raise SchemaError(f"weights v{published.version}: format {published.format!r}, expected {COLLECTIVE}")
         if self.rank == PUBLISHER:
@@ -63,7 +68,18 @@ class WeightSyncGroup:
         for i, (name, size) in enumerate(meta["buckets"].items()):
             buffers[name] = torch.empty(size, dtype=torch.uint8, device=HOST)
             self._broadcast(buffers[name], f"v{published.version} bucket {i + 1}/{len(meta['buckets'])}")
-        return meta["config"], unpack_buckets(published, meta["tensors"], buffers, copy=False)
+        tensors = unpack_buckets(meta["tensors"], buffers, copy=False)
+        delta = meta.get("delta")
+        if delta is not None:
+            if delta["base"] != self._base_version:
+                raise CorruptWeights(
+                    f"weights v{published.version}: a delta on v{delta['base']}, and this engine holds "
+                    f"v{self._base_version}; it waits for the next full version"
+                )
+            tensors = weight_delta.apply(published.version, tensors, self._base, delta)
+        verify(published, tensors)
+        self._base, self._base_version = tensors, published.version
+        return meta["config"], tensors
 
     def _broadcast(self, buffer: torch.Tensor, what: str) -> None:
         try:

@@ -26,6 +26,7 @@ DISK = "hf-safetensors"
 SHARED_MEMORY = "shared-memory"
 COLLECTIVE = "collective"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_BUCKET_DTYPES = {**DTYPES, "int32": torch.int32}  # a delta's indices travel in buckets too
 
 
 class CorruptWeights(DataPlaneError):
@@ -121,14 +122,29 @@ def _corrupt_if_unreadable(published: Published) -> Iterator[None]:
 
 def _check_checksum(published: Published, checksum: str) -> None:
     if checksum != published.checksum:
-        raise CorruptWeights(f"weights v{published.version} at {published.location}: checksum mismatch")
+        where = f"at {published.location}" if published.format == DISK else f"({published.format})"
+        raise CorruptWeights(f"weights v{published.version} {where}: checksum mismatch")
+
+
+def _aligned(offset: int, tensor: torch.Tensor) -> int:
+    """The first offset >= `offset` at which `tensor` can be viewed in place (a multiple of its item size)."""
+    return -(-offset // tensor.element_size()) * tensor.element_size()
+
+
+def bucket_nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """The size of a bucket holding `tensors`, each at an offset its dtype can be viewed at."""
+    offset = 0
+    for _, tensor in tensors:
+        offset = _aligned(offset, tensor) + tensor.numel() * tensor.element_size()
+    return offset
 
 
 def pack_bucket(buffer: torch.Tensor, bucket: str, tensors: list[tuple[str, torch.Tensor]], manifest: list) -> None:
-    """Copy `tensors` one after another into `buffer` (flat uint8, at least their total size), recording
+    """Copy `tensors` one after another into `buffer` (flat uint8 of bucket_nbytes(tensors)), recording
     each one's place in `manifest`."""
     offset = 0
     for name, tensor in tensors:
+        offset = _aligned(offset, tensor)
         nbytes = tensor.numel() * tensor.element_size()
         buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
         manifest.append(
@@ -144,20 +160,21 @@ def pack_bucket(buffer: torch.Tensor, bucket: str, tensors: list[tuple[str, torc
         offset += nbytes
 
 
-def unpack_buckets(
-    published: Published, manifest: list, buffers: Mapping[str, torch.Tensor], copy: bool = True
-) -> dict[str, torch.Tensor]:
-    """HF name -> tensor, after verifying the checksum. copy: tensors are copies, so no view of a bucket
+def unpack_buckets(manifest: list, buffers: Mapping[str, torch.Tensor], copy: bool = True) -> dict[str, torch.Tensor]:
+    """Name -> tensor, as the manifest lays them out. copy: tensors are copies, so no view of a bucket
     outlives it (shared memory gets unlinked); without, they are views into `buffers` (no second copy)."""
     tensors = {}
     for entry in manifest:
         start, end = entry["offset"], entry["offset"] + entry["nbytes"]
-        view = buffers[entry["bucket"]][start:end].view(DTYPES[entry["dtype"]]).view(entry["shape"])
+        view = buffers[entry["bucket"]][start:end].view(_BUCKET_DTYPES[entry["dtype"]]).view(entry["shape"])
         tensors[entry["name"]] = view.clone() if copy else view
         del view  # no view of a bucket is left in this frame (a traceback would keep it alive)
-    if tensors_checksum(tensors) != published.checksum:
-        raise CorruptWeights(f"weights v{published.version} ({published.format}): checksum mismatch")
     return tensors
+
+
+def verify(published: Published, tensors: Mapping[str, torch.Tensor]) -> None:
+    """CorruptWeights unless `tensors` are the version `published` announced."""
+    _check_checksum(published, tensors_checksum(tensors))
 
 
 def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -172,7 +189,9 @@ def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Ten
             for name, shm in buckets.items()
         }
         try:
-            return meta["config"], unpack_buckets(published, meta["tensors"], buffers)
+            tensors = unpack_buckets(meta["tensors"], buffers)
+            verify(published, tensors)
+            return meta["config"], tensors
         finally:
             del buffers  # no view of a bucket may outlive it (buckets get unlinked)
     finally:

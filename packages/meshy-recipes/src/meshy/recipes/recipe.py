@@ -251,7 +251,8 @@ class Recipe:
     this long prints what every task waits for and stops (meshy.recipes.watchdog). publish: how
     weights reach inference: "disk" (HF directories), "shared-memory" (buckets on this host) or
     "collective" (buckets broadcast from training rank 0 to every inference process on a process group
-    of their own: meshy.dataplane.weight_sync). extra_columns: columns added to the
+    of their own: meshy.dataplane.weight_sync). delta: with "collective", send only what changed since
+    the previous version (a whole one every 10th). extra_columns: columns added to the
     rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
 
     name: str
@@ -261,6 +262,7 @@ class Recipe:
     checkpoint_every: int = 0
     stall_after_s: float = 300.0
     publish: Literal["disk", "shared-memory", "collective"] = "disk"
+    delta: bool = False
     colocate: tuple[tuple[str, ...], ...] = ()
     share_devices: tuple[tuple[str, ...], ...] = ()
     extra_columns: tuple[Column, ...] = ()
@@ -286,6 +288,8 @@ class Recipe:
         self._check_reference(roles)
         if self.publish == "collective":
             self._check_collective()
+        elif self.delta:
+            raise SchemaError(f'delta: sending only what changed needs publish = "collective", got "{self.publish}"')
         if self.algorithm.routing_replay:
             self._check_routing_replay()
         check_dataflow(self)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from meshy.dataplane import HOST, DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, DataPlaneClient, SchemaError, weight_delta
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import (
     COLLECTIVE,
@@ -30,6 +30,7 @@ from meshy.dataplane.weights import (
     SHARED_MEMORY,
     WEIGHTS_STREAM,
     Published,
+    bucket_nbytes,
     combine_digests,
     pack_bucket,
     tensor_digest,
@@ -191,7 +192,7 @@ class SharedMemoryPublisher:
         manifest, buckets = [], []
         for i, group in enumerate(groups):
             buckets.append(self._write_bucket(f"{self.prefix}-v{version}-b{i}", group, manifest))
-        sizes = {shm.name: sum(e["nbytes"] for e in manifest if e["bucket"] == shm.name) for shm in buckets}
+        sizes = {shm.name: bucket_nbytes(group) for shm, group in zip(buckets, groups, strict=True)}
         meta = {"config": self.arch.hf_config(self.dtype), "buckets": sizes, "tensors": manifest}
         digest = combine_digests({name: tensor_digest(tensor) for group in groups for name, tensor in group})
         published = Published(
@@ -206,7 +207,7 @@ class SharedMemoryPublisher:
 
     @staticmethod
     def _write_bucket(name: str, tensors: list[tuple[str, torch.Tensor]], manifest: list) -> shared_memory.SharedMemory:
-        size = sum(t.numel() * t.element_size() for _, t in tensors)
+        size = bucket_nbytes(tensors)
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
         buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=max(size, 1))
         pack_bucket(buffer, name, tensors, manifest)
@@ -227,7 +228,11 @@ class SharedMemoryPublisher:
 class CollectivePublisher:
     """Version v as buckets that training rank 0 broadcasts to every engine on the weight-sync group, after
     announcing it (config, bucket manifest, checksum) on the `weights` stream so the engines join. Nothing
-    touches disk; rank 0 holds one packed copy of the version while it is sent."""
+    touches disk; rank 0 holds one packed copy of the version while it is sent.
+
+    delta: send what changed since the previous version (meshy.dataplane.weight_delta), every
+    `full_every`-th version whole, so an engine that could not apply a delta is back on track by then;
+    rank 0 then also keeps the previous version."""
 
     def __init__(
         self,
@@ -237,10 +242,14 @@ class CollectivePublisher:
         dtype: str = "bfloat16",
         bucket_bytes: int = 512 << 20,
         stream: str = WEIGHTS_STREAM,
+        delta: bool = False,
+        full_every: int = 10,
     ):
         _check_dtype(dtype)
-        if bucket_bytes < 1:
-            raise SchemaError(f"publish bucket_bytes: expected >= 1, got {bucket_bytes}")
+        if bucket_bytes < 1 or full_every < 1:
+            raise SchemaError(
+                f"collective publishing: bucket_bytes and full_every >= 1, got {bucket_bytes}, {full_every}"
+            )
         if group is None and _is_writer():
             raise SchemaError("collective publishing: training rank 0 needs the weight-sync group")
         self.group = group
@@ -249,25 +258,39 @@ class CollectivePublisher:
         self.stream = stream
         self.dtype = dtype
         self.bucket_bytes = bucket_bytes
+        self.delta = delta
+        self.full_every = full_every
+        self._base: dict[str, torch.Tensor] = {}  # the previous version, when sending deltas
+        self._base_version: int | None = None
+        self._since_full = 0
 
     def publish(self, model: torch.nn.Module, version: int) -> Published | None:
         """Every rank calls this (the gather is a collective); rank 0 announces, then broadcasts."""
         start = time.perf_counter()
-        groups = bucketed(hf_tensors(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
+        current = dict(hf_tensors(model, self.arch, DTYPES[self.dtype]))
         if not _is_writer():
             return None
-        manifest, buckets, sizes, digests = [], [], {}, {}
-        for i, group in enumerate(groups):
+        checksum = combine_digests({name: tensor_digest(tensor) for name, tensor in current.items()})
+        segments, delta = list(current.items()), None
+        if self.delta and self._base_version is not None and self._since_full < self.full_every - 1:
+            segments, delta = weight_delta.encode(current, self._base)
+            delta["base"] = self._base_version
+        self._since_full = 0 if delta is None else self._since_full + 1
+        manifest, buckets, sizes = [], [], {}
+        for i, group in enumerate(bucketed(iter(segments), self.bucket_bytes)):
             name = f"b{i}"
-            sizes[name] = sum(t.numel() * t.element_size() for _, t in group)
+            sizes[name] = bucket_nbytes(group)
             buckets.append(torch.empty(sizes[name], dtype=torch.uint8, device=HOST))
             pack_bucket(buckets[-1], name, group, manifest)
-            digests.update((tensor_name, tensor_digest(tensor)) for tensor_name, tensor in group)
-            group.clear()  # packed: the gathered tensors go
+        del segments
         meta = {"config": self.arch.hf_config(self.dtype), "buckets": sizes, "tensors": manifest}
-        checksum, seconds = combine_digests(digests), time.perf_counter() - start  # gathered and packed
+        if delta is not None:
+            meta["delta"] = delta
+        seconds = time.perf_counter() - start  # gathered and packed
         published = Published(version, COLLECTIVE, json.dumps(meta), checksum, sum(sizes.values()), seconds)
         if self.client is not None:
             self.client.append(self.stream, published.to_message())
         self.group.send(published, buckets)
+        if self.delta:
+            self._base, self._base_version = current, version
         return published

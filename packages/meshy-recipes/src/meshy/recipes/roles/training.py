@@ -34,7 +34,7 @@ class TrainingRole:
         if recipe.publish == "shared-memory":
             publisher = SharedMemoryPublisher(f"meshy-{ctx.run_dir.name}", self.arch, ctx.client, dtype=dtype)
         elif recipe.publish == "collective":
-            publisher = CollectivePublisher(ctx.weight_sync, self.arch, ctx.client, dtype=dtype)
+            publisher = CollectivePublisher(ctx.weight_sync, self.arch, ctx.client, dtype=dtype, delta=recipe.delta)
         else:
             publisher = DirectoryPublisher(ctx.run_dir / "weights", self.arch, ctx.client, dtype=dtype, keep=4)
         self.publisher = publisher
