@@ -12,6 +12,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,24 @@ ARCH = get_model("qwen3-tiny")
 MAX_LEN = 96
 ON_CPU = not torch.cuda.is_available()
 STUB = Path(__file__).parent / "sglang_stub"
-# Small pools: SGLang sizes its KV cache from free memory otherwise (most of the host's RAM on CPU). No
-# radix cache: a request reusing a cached prompt's KV gets logprobs ~1e-7 off those of the same request
-# computed whole, and the conformance cases compare repeated greedy logprobs exactly.
-SERVER_ARGS = {"max_total_tokens": 8192, "mem_fraction_static": 0.05, "disable_radix_cache": True}
+# A small pool: SGLang sizes its KV cache from free memory otherwise (most of the host's RAM on CPU).
+# max_total_tokens caps it; mem_fraction_static stays SGLang's own, because SGLang fails to start (and
+# SIGKILLs its host process) when free memory falls by more than 1 - mem_fraction_static of what it was
+# while it loads the weights: at 0.05, any other process taking 5% meanwhile did (a CI run, beside
+# another test suite). No radix cache: a request reusing a cached prompt's KV gets logprobs ~1e-7 off
+# those of the same request computed whole, and the conformance cases compare repeated greedy logprobs
+# exactly.
+SERVER_ARGS = {"max_total_tokens": 8192, "disable_radix_cache": True}
+# Takes 3 GiB, gives it back, again and again: what the rest of a test suite does beside this one.
+MEMORY_CHURN = """
+import time
+end = time.monotonic() + 120
+while time.monotonic() < end:
+    taken = bytearray(3 << 30)
+    time.sleep(0.5)
+    del taken
+    time.sleep(0.5)
+"""
 NO_SEEDS = (
     "SGLang 0.5.23 honours sampling_seed only with enable_deterministic_inference, which rejects "
     "attention_backend torch_native (the only CPU backend) and samples with a Triton kernel"
@@ -245,6 +260,21 @@ def test_settings_sglang_cannot_run_are_refused_before_it_starts(published, uniq
             SGLangEngine(publisher.publish(sharp_model(0), 1), device="cpu")
     finally:
         publisher.close()
+
+
+def test_the_engine_starts_while_another_process_takes_and_gives_back_memory(published):
+    churn = subprocess.Popen([sys.executable, "-c", MEMORY_CHURN])
+    try:
+        time.sleep(1.0)  # churning before SGLang measures free memory, and while it loads the weights
+        engine = start_engine(published[0])
+        try:
+            generated = asyncio.run(engine.generate("after-start", prompt(0), greedy(4)))
+        finally:
+            asyncio.run(engine.close())
+    finally:
+        churn.kill()
+        churn.wait()
+    assert 1 <= len(generated.output_ids) <= 4
 
 
 def test_importing_the_engine_module_does_not_import_sglang():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.test_pipeline import REPO, check_run, kill_tree, records, small_recipe
+from tests.recipes.test_pipeline import REPO, check_run, kill_tree, records, small_recipe, start_time
 
 STEPS = 10
 COMMAND = [sys.executable, "-m", "meshy.recipes.cli", "run"]
@@ -74,7 +74,7 @@ def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss
         _, stderr = first.communicate(timeout=STOP_WITHIN_S)
         stopped_after = time.monotonic() - killed_at
     finally:
-        kill_tree(first.pid)
+        kill_tree(first)
         first.wait()
     assert first.returncode != 0, f"killing {target} must not look like success"
     assert "meshy: continue from its newest checkpoint, step-" in stderr, stderr[-3000:]
@@ -94,16 +94,6 @@ def children(pid: int) -> list[int]:
             if int(rest.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(child))
     return found
-
-
-def start_time(pid: int) -> str | None:
-    """When `pid` started (clock ticks since boot), or None once it has exited (a zombie has exited too:
-    only its parent has yet to reap it, and an orphan's reaper may never do so in a container)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def run_processes(run_dir) -> list[int]:
@@ -131,7 +121,7 @@ def test_killing_torchrun_takes_every_process_of_the_run_with_it(tmp_path):
         alive = [pid for pid, at in started.items() if start_time(pid) == at]
         assert not alive, f"processes left running after torchrun was killed: {alive}"
     finally:
-        kill_tree(meshy.pid)
+        kill_tree(meshy)
         for pid, at in started.items():  # a failed run leaves orphans no longer under meshy: kill them by pid
             if start_time(pid) == at:
                 with contextlib.suppress(ProcessLookupError):

@@ -221,22 +221,38 @@ def test_kl_to_the_reference_policy_starts_at_zero_and_grows_as_the_policy_moves
     assert reference.keys() == expected.keys() and all(torch.equal(reference[k], v) for k, v in expected.items())
 
 
-def kill_tree(root: int) -> None:
-    """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
+def kill_tree(root: subprocess.Popen) -> None:
+    """SIGKILL a child process and all its descendants (torchrun starts its workers in sessions of their
+    own). Only while the child is unreaped: once reaped, its pid may already be an unrelated process's;
+    a descendant is killed only if it is still the process that was found (same start time)."""
+    if root.poll() is not None:
+        return
+    children: dict[int, list[tuple[int, str]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             pid, rest = stat.read_text().split(" ", 1)
         except OSError:
             continue
-        children.setdefault(int(rest.rsplit(")", 1)[1].split()[1]), []).append(int(pid))
-    tree, i = [root], 0
+        fields = rest.rsplit(")", 1)[1].split()
+        children.setdefault(int(fields[1]), []).append((int(pid), fields[19]))
+    tree, i = [(root.pid, None)], 0
     while i < len(tree):
-        tree += children.get(tree[i], [])
+        tree += children.get(tree[i][0], [])
         i += 1
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for pid, started in tree:
+        if started is None or start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def start_time(pid: int) -> str | None:
+    """When `pid` started (clock ticks since boot), or None once it has exited (a zombie has exited too:
+    only its parent has yet to reap it, and an orphan's reaper may never do so in a container)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def test_a_killed_run_resumes_from_its_last_checkpoint_and_finishes_every_version_once(tmp_path):
@@ -256,7 +272,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_finishes_every_versio
             time.sleep(0.05)
         assert metrics is not None and crashed.poll() is None, "the run should still be going at version 3"
     finally:
-        kill_tree(crashed.pid)  # every process of the run at once, as a machine failure would
+        kill_tree(crashed)  # every process of the run at once, as a machine failure would
         crashed.wait()
     run_dir = metrics.parent
     restored = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
@@ -307,7 +323,7 @@ def test_a_killed_ppo_run_resumes_its_critic_from_the_checkpoint_of_the_policy_v
             time.sleep(0.05)
         assert run_dir is not None and crashed.poll() is None, "the run should still be going at version 5"
     finally:
-        kill_tree(crashed.pid)
+        kill_tree(crashed)
         crashed.wait()
     policy = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
     critic = [int(p.name.removeprefix("step-")) for p in (run_dir / "critic_checkpoints").glob("step-*")]

@@ -136,19 +136,21 @@ def main() -> None:
         "pids": {"launcher": os.getpid(), "controller": controller_pid, "storage": pids[:-1]},
     }
     print(json.dumps(report), flush=True)
+    running = list(pids)  # reaped ones leave: their pids may soon belong to unrelated processes
     try:
         while True:
             readable = select.select([sys.stdin], [], [], 1.0)[0]
             if readable and not os.read(sys.stdin.fileno(), 4096):
                 return  # the host process is gone or asked us to stop
-            for pid in pids:
+            for pid in list(running):
                 try:
                     if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        running.remove(pid)
                         print(f"meshy data plane: server process {pid} exited", file=sys.stderr, flush=True)
                 except ChildProcessError:
-                    pass
+                    running.remove(pid)
     finally:
-        _stop(pids)
+        _stop(running)
         gc.freeze()  # no final collection over torch's heap at exit: ~1 s of CPU, and the host waits for it
 
 
