@@ -262,18 +262,18 @@ def test_settings_sglang_cannot_run_are_refused_before_it_starts(published, uniq
         publisher.close()
 
 
-def test_the_engine_starts_while_another_process_takes_and_gives_back_memory(published):
+def test_the_engine_starts_while_another_process_takes_and_gives_back_memory(shared, published):
+    for engine in shared:  # one SGLang engine per process at a time: this one becomes the module's
+        if not engine.closed:
+            asyncio.run(engine.close())
     churn = subprocess.Popen([sys.executable, "-c", MEMORY_CHURN])
     try:
         time.sleep(1.0)  # churning before SGLang measures free memory, and while it loads the weights
-        engine = start_engine(published[0])
-        try:
-            generated = asyncio.run(engine.generate("after-start", prompt(0), greedy(4)))
-        finally:
-            asyncio.run(engine.close())
+        shared.append(start_engine(published[0]))
     finally:
         churn.kill()
         churn.wait()
+    generated = asyncio.run(shared[-1].generate("after-start", prompt(0), greedy(4)))
     assert 1 <= len(generated.output_ids) <= 4
 
 
