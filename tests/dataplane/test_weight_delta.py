@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshy.dataplane import weight_delta
+from meshy.dataplane import SchemaError, weight_delta
 from meshy.dataplane.weights import CorruptWeights
 
 
@@ -13,13 +13,10 @@ def versions() -> tuple[dict, dict]:
         "still": torch.randn(64, 64, generator=g, device="cpu").to(torch.bfloat16),
         "few": torch.randn(64, 64, generator=g, device="cpu").to(torch.bfloat16),
         "many": torch.randn(64, 64, generator=g, device="cpu"),
-        "grown": torch.randn(8, generator=g, device="cpu"),
     }
     current = {name: t.clone() for name, t in base.items()}
     current["few"].view(-1)[torch.tensor([3, 700, 4095], device="cpu")] += 1
     current["many"] += 1e-3
-    current["grown"] = torch.randn(9, generator=g, device="cpu")
-    current["new"] = torch.zeros(2, 2, device="cpu")
     return base, current
 
 
@@ -28,20 +25,21 @@ def test_unchanged_tensors_are_not_sent_few_changes_go_sparse_and_the_rest_whole
     segments, delta = weight_delta.encode(current, base)
     sent = dict(segments)
     assert delta["same"] == ["still"] and delta["sparse"] == ["few"]
-    assert sorted(sent) == ["few:indices", "few:values", "grown", "many", "new"]
+    assert sorted(sent) == ["few:indices", "few:values", "many"]
     assert sent["few:indices"].tolist() == [3, 700, 4095] and sent["few:indices"].dtype == torch.int32
     assert torch.equal(sent["few:values"], current["few"].view(-1)[[3, 700, 4095]])
 
 
-def test_the_receiver_rebuilds_the_version_bit_for_bit():
+def test_the_receiver_rebuilds_the_version_bit_for_bit_in_its_base():
     base, current = versions()
     segments, delta = weight_delta.encode(current, base)
-    rebuilt = weight_delta.apply(1, dict(segments), base, delta)
+    held = dict(base)
+    rebuilt = weight_delta.apply(1, dict(segments), held, delta)
     assert list(rebuilt) == list(current)
     for name, tensor in current.items():
         assert rebuilt[name].dtype == tensor.dtype
         assert torch.equal(rebuilt[name].view(torch.uint8), tensor.view(torch.uint8)), name
-    assert torch.equal(base["few"], versions()[0]["few"]), "the base is not changed in place"
+        assert rebuilt[name] is base[name], "rebuilt in place: no second copy of the model"
 
 
 def test_changes_are_bitwise_a_sign_of_zero_counts_and_an_unchanged_nan_does_not():
@@ -55,8 +53,26 @@ def test_changes_are_bitwise_a_sign_of_zero_counts_and_an_unchanged_nan_does_not
     assert torch.equal(rebuilt["w"].view(torch.int32), current["w"].view(torch.int32))
 
 
-def test_a_delta_on_tensors_the_receiver_does_not_hold_is_refused():
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda t: t.update(grown=torch.zeros(9, device="cpu")), "'grown'.*float32\\[8\\] -> float32\\[9\\]"),
+        (lambda t: t.update(new=torch.zeros(2, device="cpu")), "'new'.*absent -> float32\\[2\\]"),
+        (lambda t: t.pop("grown"), "'grown'.*float32\\[8\\] -> absent"),
+    ],
+)
+def test_a_delta_between_different_tensors_is_refused_naming_the_tensor(change, expected):
+    base, current = versions()
+    base["grown"] = current["grown"] = torch.zeros(8, device="cpu")
+    change(current)
+    with pytest.raises(SchemaError, match=expected):
+        weight_delta.encode(current, base)
+
+
+def test_a_delta_on_tensors_the_receiver_does_not_hold_is_refused_and_changes_nothing():
     base, current = versions()
     segments, delta = weight_delta.encode(current, base)
-    with pytest.raises(CorruptWeights, match="v5: a delta on tensors this engine does not hold: \\['still'"):
-        weight_delta.apply(5, dict(segments), {}, delta)
+    held = {"still": base["still"].clone()}
+    with pytest.raises(CorruptWeights, match="v5: a delta on other tensors than this engine holds \\(missing \\['few'"):
+        weight_delta.apply(5, dict(segments), held, delta)
+    assert torch.equal(held["still"], base["still"])

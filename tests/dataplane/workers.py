@@ -108,29 +108,19 @@ def weight_sync_member(
     import torch
     import torch.distributed as dist
 
-    from meshy.dataplane import HOST
     from meshy.dataplane.weight_sync import WeightSyncGroup
-    from meshy.dataplane.weights import COLLECTIVE, Published, pack_bucket, tensors_checksum
+    from meshy.dataplane.weights import COLLECTIVE, BucketLayout, Published, tensors_checksum
 
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=60))
     group = WeightSyncGroup(store, rank, size, timeout_s=60)
     if rank == 0:
         tensors = sync_tensors()
-        buckets, manifest, sizes, pending, pending_bytes = [], [], {}, [], 0
-        for name, tensor in [*tensors.items(), ("end", None)]:
-            nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
-            if pending and (tensor is None or pending_bytes + nbytes > 1000):  # several buckets
-                bucket = f"b{len(buckets)}"
-                sizes[bucket] = pending_bytes
-                buckets.append(torch.empty(pending_bytes, dtype=torch.uint8, device=HOST))
-                pack_bucket(buckets[-1], bucket, pending, manifest)
-                pending, pending_bytes = [], 0
-            if tensor is not None:
-                pending.append((name, tensor))
-                pending_bytes += nbytes
+        layout = BucketLayout.plan([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1000)
+        buckets = layout.allocate()  # several buckets
+        layout.pack(buckets, tensors.items())
         checksum = tensors_checksum({**tensors, "w": tensors["w"] + 1} if corrupt else tensors)
-        meta = {"config": {"model_type": "test"}, "buckets": sizes, "tensors": manifest}
-        published = Published(1, COLLECTIVE, json.dumps(meta), checksum, sum(sizes.values()), 0.0)
+        meta = {"config": {"model_type": "test"}, "buckets": layout.sizes, "tensors": layout.manifest}
+        published = Published(1, COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), 0.0)
         for _ in range(size - 1):
             announced.put(published.to_message())
         t0 = time.monotonic()

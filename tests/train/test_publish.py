@@ -154,7 +154,7 @@ def test_collective_deltas_rebuild_every_version_bit_for_bit_and_send_a_full_one
     arch = get_model("qwen3-tiny")
     model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
     store = dist.HashStore()
-    stream, received, errors = Announcements(), {}, []
+    stream, received, places, errors = Announcements(), {}, {}, []
     engine_group: list[WeightSyncGroup] = []
 
     def engine() -> None:
@@ -162,7 +162,9 @@ def test_collective_deltas_rebuild_every_version_bit_for_bit_and_send_a_full_one
         for _ in range(5):
             published = Published.from_message(stream.messages.get(timeout=60))
             try:
-                received[published.version] = (published, engine_group[0].receive(published)[1])
+                tensors = engine_group[0].receive(published)[1]  # views, valid until the next receive
+                places[published.version] = {name: t.data_ptr() for name, t in tensors.items()}
+                received[published.version] = (published, {name: t.clone() for name, t in tensors.items()})
             except CorruptWeights as e:
                 errors.append(str(e))
 
@@ -187,6 +189,7 @@ def test_collective_deltas_rebuild_every_version_bit_for_bit_and_send_a_full_one
     assert errors == ["weights v4: a delta on v3, and this engine holds v2; it waits for the next full version"]
     assert thread_base == 3
     assert sorted(received) == [0, 1, 2, 3]
+    assert places[0] == places[1] == places[2] == places[3], "every version lands in the same buffers"
     kinds = {v: "delta" in json.loads(p.location) for v, (p, _) in received.items()}
     assert kinds == {0: False, 1: True, 2: True, 3: False}
     for version, (published, tensors) in received.items():

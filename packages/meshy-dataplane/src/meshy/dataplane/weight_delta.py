@@ -2,14 +2,16 @@
 
 Tensors are compared bitwise in the published dtype (after an RL step at a small learning rate, most
 bf16 values do not move). A tensor that did not change is not sent; one whose changed elements are few
-goes as their flat indices (int32) and new values; any other goes whole. The receiver rebuilds every
-tensor from its copy of the base version, and the rebuilt version is checked against the announced
+goes as their flat indices (int32) and new values; any other goes whole. A delta is made between two
+versions of the same tensors (names, dtypes, shapes), so the receiver rebuilds the version in place in
+its copy of the base: no second copy of the model. The rebuilt version is checked against the announced
 checksum like any other, so a receiver whose base is not the one the delta was made on cannot load a
 wrong version: it refuses it and waits for the next full one.
 """
 
 import torch
 
+from meshy.dataplane.errors import SchemaError
 from meshy.dataplane.weights import CorruptWeights
 
 INDICES, VALUES = ":indices", ":values"  # suffixes of a sparse tensor's two segments
@@ -20,15 +22,13 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def encode(
     tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor]
 ) -> tuple[list[tuple[str, torch.Tensor]], dict]:
-    """(segments to send, the delta's description) for `tensors` against `base` (the previous version)."""
+    """(segments to send, the delta's description) for `tensors` against `base` (the previous version of
+    the same tensors: SchemaError otherwise)."""
+    _check_same_tensors(tensors, base)
     segments, same, sparse = [], [], []
     for name, tensor in tensors.items():
-        old = base.get(name)
-        if old is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
-            segments.append((name, tensor))
-            continue
         bits = _BITS[tensor.element_size()]
-        changed = (tensor.reshape(-1).view(bits) != old.reshape(-1).view(bits)).nonzero().squeeze(1)
+        changed = (tensor.reshape(-1).view(bits) != base[name].reshape(-1).view(bits)).nonzero().squeeze(1)
         if changed.numel() == 0:
             same.append(name)
         elif changed.numel() * (4 + tensor.element_size()) <= SPARSE_AT_MOST * tensor.numel() * tensor.element_size():
@@ -42,19 +42,32 @@ def encode(
 def apply(
     version: int, segments: dict[str, torch.Tensor], base: dict[str, torch.Tensor], delta: dict
 ) -> dict[str, torch.Tensor]:
-    """The full version rebuilt from its segments and `base` (CorruptWeights if base lacks a tensor)."""
-    missing = [n for n in (*delta["same"], *delta["sparse"]) if n not in base]
-    if missing:
-        raise CorruptWeights(f"weights v{version}: a delta on tensors this engine does not hold: {missing[:3]}")
+    """`base` turned into the version in place, from its segments; returns `base` (CorruptWeights if base
+    does not hold the delta's tensors, and then base is unchanged)."""
+    if sorted(delta["names"]) != sorted(base):
+        missing = sorted(set(delta["names"]) - set(base))
+        raise CorruptWeights(
+            f"weights v{version}: a delta on other tensors than this engine holds "
+            f"(missing {missing[:3]}, {len(base)} held)"
+        )
     same, sparse = set(delta["same"]), set(delta["sparse"])
-    tensors = {}
     for name in delta["names"]:
-        if name in same:
-            tensors[name] = base[name]
-        elif name in sparse:
-            rebuilt = base[name].clone()
-            rebuilt.view(-1)[segments[name + INDICES].long()] = segments[name + VALUES]
-            tensors[name] = rebuilt
-        else:
-            tensors[name] = segments[name]
-    return tensors
+        if name in sparse:
+            base[name].view(-1)[segments[name + INDICES].long()] = segments[name + VALUES]
+        elif name not in same:
+            base[name].copy_(segments[name])
+    return base
+
+
+def _check_same_tensors(tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> None:
+    for name in tensors.keys() | base.keys():
+        new, old = tensors.get(name), base.get(name)
+        if new is None or old is None or new.shape != old.shape or new.dtype != old.dtype:
+            raise SchemaError(
+                f"weights delta: tensor {name!r} is not the same tensor in both versions "
+                f"({_spec(old)} -> {_spec(new)}): a delta needs the same names, dtypes and shapes"
+            )
+
+
+def _spec(tensor: torch.Tensor | None) -> str:
+    return "absent" if tensor is None else f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"

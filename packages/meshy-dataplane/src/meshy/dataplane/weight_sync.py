@@ -5,24 +5,37 @@ Members derive the group from the topology at start (nothing is discovered at ru
 publisher, ranks 1.. the engines. The `weights` stream stays the only signal: it announces a version
 (its manifest of buckets and its checksum) before the buckets are broadcast, an engine that reads the
 announcement joins the broadcast, and checks the checksum before it loads anything. A version may be a
-delta on the one before (meshy.dataplane.weight_delta); each member keeps the last version it received
-intact to rebuild it. The publisher broadcasts each version once and every engine joins every version,
-in order; a member that dies fails the others' broadcast (gloo notices the closed connection), and one
-that never joins fails it at the group's timeout.
+delta on the one before (meshy.dataplane.weight_delta). Each engine receives every whole version into
+the same buffers (planned once from the announced layout) and applies deltas to them in place, so it
+holds one copy of the version besides its model; the publisher likewise fills the same buffers. The
+publisher broadcasts each version once and every engine joins every version, in order; a member that
+dies fails the others' broadcast (gloo notices the closed connection), and one that never joins fails
+it at the group's timeout.
 
 The group runs on gloo over host buffers, on CPU and GPU hosts alike (NCCL is not wired yet).
 """
 
 import json
+from collections.abc import Mapping
+from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from meshy.dataplane import weight_delta
-from meshy.dataplane.devices import HOST
 from meshy.dataplane.errors import SchemaError, WeightSyncError
-from meshy.dataplane.weights import COLLECTIVE, CorruptWeights, Published, unpack_buckets, verify
+from meshy.dataplane.weights import (
+    COLLECTIVE,
+    BucketLayout,
+    CorruptWeights,
+    Published,
+    check_checksum,
+    combine_digests,
+    digest_later,
+    unpack_buckets,
+    verify,
+)
 
 STORE_PREFIX = "meshy/weight-sync"
 PUBLISHER = 0  # the group rank that broadcasts
@@ -38,8 +51,10 @@ class WeightSyncGroup:
         if not timeout_s > 0:
             raise SchemaError(f"weight-sync group timeout_s: expected seconds > 0, got {timeout_s!r}")
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
-        self._base: dict[str, torch.Tensor] = {}  # the last version received intact: what deltas apply to
-        self._base_version: int | None = None
+        self._layout: BucketLayout | None = None  # of the last whole version, received into _buffers
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._base: dict[str, torch.Tensor] = {}  # views into _buffers: what deltas apply to
+        self._base_version: int | None = None  # the version _base holds, if it holds one intact
         prefixed = dist.PrefixStore(STORE_PREFIX, store)
         try:
             self._group = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
@@ -48,38 +63,60 @@ class WeightSyncGroup:
                 f"weight-sync group rank {rank} of {size}: not every member joined within {timeout_s:.0f} s: {e}"
             ) from None
 
-    def send(self, published: Published, buckets: list[torch.Tensor]) -> None:
-        """Broadcast a version's buckets (flat uint8 host tensors, in manifest order) to every engine."""
+    def send(self, published: Published, buffers: Mapping[str, torch.Tensor]) -> None:
+        """Broadcast a version's buckets (flat uint8 host tensors, in the announced layout's order) to
+        every engine; returns once every engine has them."""
         if self.rank != PUBLISHER:
             raise SchemaError(f"weight-sync group: rank {self.rank} receives; only rank {PUBLISHER} sends")
-        for i, bucket in enumerate(buckets):
-            self._broadcast(bucket, f"v{published.version} bucket {i + 1}/{len(buckets)}")
+        for i, buffer in enumerate(buffers.values()):
+            self._broadcast(buffer, f"v{published.version} bucket {i + 1}/{len(buffers)}")
 
     def receive(self, published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
         """(config.json, HF name -> tensor) of an announced version, after verifying its checksum
         (CorruptWeights if it does not match, or if it is a delta on a version this member does not hold:
-        then the next full version puts it back on track)."""
+        then the next full version puts it back on track).
+
+        The tensors are views into this member's buffers, valid until the next receive: a whole version
+        is received into the same buffers every time, and a delta is applied to them in place."""
         if published.format != COLLECTIVE:
             raise SchemaError(f"weights v{published.version}: format {published.format!r}, expected {COLLECTIVE}")
         if self.rank == PUBLISHER:
             raise SchemaError(f"weight-sync group: rank {PUBLISHER} sends; it does not receive")
         meta = json.loads(published.location)
-        buffers = {}
-        for i, (name, size) in enumerate(meta["buckets"].items()):
-            buffers[name] = torch.empty(size, dtype=torch.uint8, device=HOST)
-            self._broadcast(buffers[name], f"v{published.version} bucket {i + 1}/{len(meta['buckets'])}")
-        tensors = unpack_buckets(meta["tensors"], buffers, copy=False)
-        delta = meta.get("delta")
-        if delta is not None:
-            if delta["base"] != self._base_version:
+        layout, delta = BucketLayout.of(meta), meta.get("delta")
+        if delta is None and layout != self._layout:
+            self._layout, self._buffers = layout, layout.allocate()
+        held, self._base_version = self._base_version, None  # the buffers change: a version once one verifies
+        buffers = self._buffers if delta is None else layout.allocate()
+        tensors, digests = self._receive_buckets(published.version, layout, buffers, digest=delta is None)
+        if delta is None:
+            check_checksum(published, combine_digests({name: d.result() for name, d in digests.items()}))
+        else:
+            if delta["base"] != held:
                 raise CorruptWeights(
                     f"weights v{published.version}: a delta on v{delta['base']}, and this engine holds "
-                    f"v{self._base_version}; it waits for the next full version"
+                    f"v{held}; it waits for the next full version"
                 )
             tensors = weight_delta.apply(published.version, tensors, self._base, delta)
-        verify(published, tensors)
+            verify(published, tensors)
         self._base, self._base_version = tensors, published.version
         return meta["config"], tensors
+
+    def _receive_buckets(
+        self, version: int, layout: BucketLayout, buffers: dict[str, torch.Tensor], digest: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Future]]:
+        """Views of the received tensors, and (digest) their digests, each computed while the buckets
+        after its own are received."""
+        tensors = unpack_buckets(layout.manifest, buffers, copy=False)
+        in_bucket: dict[str, list[str]] = {}
+        for entry in layout.manifest:
+            in_bucket.setdefault(entry["bucket"], []).append(entry["name"])
+        digests = {}
+        for i, bucket in enumerate(layout.sizes):
+            self._broadcast(buffers[bucket], f"v{version} bucket {i + 1}/{len(layout.sizes)}")
+            if digest:
+                digests.update((name, digest_later(tensors[name])) for name in in_bucket.get(bucket, []))
+        return tensors, digests
 
     def _broadcast(self, buffer: torch.Tensor, what: str) -> None:
         try:

@@ -11,13 +11,16 @@ tensor lies in which bucket (name, dtype, shape, bucket, offset, nbytes).
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import shared_memory
 
 import torch
 import xxhash
 
+from meshy.dataplane.devices import HOST
 from meshy.dataplane.errors import DataPlaneError, SchemaError
 from meshy.dataplane.hf_directory import HFDirectory
 
@@ -67,6 +70,16 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     return digest.digest()
 
 
+# Digests are computed on a helper thread while the next tensor is copied, sent or received (xxhash
+# releases the GIL), so a version's checksum costs next to nothing on top of moving it.
+_digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshy-weights-digest")
+
+
+def digest_later(tensor: torch.Tensor) -> Future:
+    """tensor_digest(tensor), computed on the digest thread: `tensor` must not change until it is done."""
+    return _digester.submit(tensor_digest, tensor)
+
+
 def combine_digests(digests: Mapping[str, bytes]) -> str:
     """The checksum of a version: its tensors' digests in name order, so it does not depend on how the
     tensors are laid out in files or buckets, and each digest can be computed as its tensor goes by."""
@@ -87,7 +100,7 @@ def read_published(published: Published) -> tuple[dict, dict[str, torch.Tensor]]
         with _corrupt_if_unreadable(published):
             directory = HFDirectory.open(published.location)
             tensors = dict(directory.tensors())
-            _check_checksum(published, tensors_checksum(tensors))
+            check_checksum(published, tensors_checksum(tensors))
             return directory.config(), tensors  # config.json is not covered by the checksum
     if published.format == SHARED_MEMORY:
         return _read_shared_memory(published)
@@ -107,7 +120,7 @@ def verify_published(published: Published) -> tuple[HFDirectory, dict, dict[str,
         digests, shapes = {}, {}
         for name, tensor in directory.tensors():
             digests[name], shapes[name] = tensor_digest(tensor), tuple(tensor.shape)
-        _check_checksum(published, combine_digests(digests))
+        check_checksum(published, combine_digests(digests))
         return directory, directory.config(), shapes
 
 
@@ -120,44 +133,84 @@ def _corrupt_if_unreadable(published: Published) -> Iterator[None]:
         raise CorruptWeights(f"weights v{published.version}: {e}") from None
 
 
-def _check_checksum(published: Published, checksum: str) -> None:
+def check_checksum(published: Published, checksum: str) -> None:
+    """CorruptWeights unless `checksum` is the one `published` announced."""
     if checksum != published.checksum:
         where = f"at {published.location}" if published.format == DISK else f"({published.format})"
         raise CorruptWeights(f"weights v{published.version} {where}: checksum mismatch")
 
 
-def _aligned(offset: int, tensor: torch.Tensor) -> int:
-    """The first offset >= `offset` at which `tensor` can be viewed in place (a multiple of its item size)."""
-    return -(-offset // tensor.element_size()) * tensor.element_size()
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of a tensor to place in a bucket
 
 
-def bucket_nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
-    """The size of a bucket holding `tensors`, each at an offset its dtype can be viewed at."""
-    offset = 0
-    for _, tensor in tensors:
-        offset = _aligned(offset, tensor) + tensor.numel() * tensor.element_size()
-    return offset
+def _aligned(offset: int, itemsize: int) -> int:
+    """The first offset >= `offset` at which an item of `itemsize` bytes can be viewed in place."""
+    return -(-offset // itemsize) * itemsize
 
 
-def pack_bucket(buffer: torch.Tensor, bucket: str, tensors: list[tuple[str, torch.Tensor]], manifest: list) -> None:
-    """Copy `tensors` one after another into `buffer` (flat uint8 of bucket_nbytes(tensors)), recording
-    each one's place in `manifest`."""
-    offset = 0
-    for name, tensor in tensors:
-        offset = _aligned(offset, tensor)
-        nbytes = tensor.numel() * tensor.element_size()
-        buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
-        manifest.append(
-            {
-                "name": name,
-                "dtype": str(tensor.dtype).removeprefix("torch."),
-                "shape": list(tensor.shape),
-                "bucket": bucket,
-                "offset": offset,
-                "nbytes": nbytes,
-            }
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each tensor of a version lies in its buckets (flat byte buffers): bucket name -> size, and a
+    manifest entry per tensor (name, dtype, shape, bucket, offset, nbytes). A model's layout is the same
+    for every version, so a publisher or engine plans it once and fills the same buffers every time
+    (memory already touched fills several times faster than fresh pages)."""
+
+    sizes: dict[str, int]
+    manifest: list[dict]
+
+    @classmethod
+    def plan(cls, specs: Iterable[TensorSpec], bucket_bytes: int, prefix: str = "b") -> "BucketLayout":
+        """Tensors in order, in buckets `{prefix}0`, `{prefix}1`, ... of at most `bucket_bytes` (a larger
+        tensor goes alone), each at an offset its dtype can be viewed at."""
+        sizes: dict[str, int] = {}
+        manifest, bucket, offset = [], f"{prefix}0", 0
+        for name, dtype, shape in specs:
+            itemsize = dtype.itemsize
+            nbytes = math.prod(shape) * itemsize
+            if offset and _aligned(offset, itemsize) + nbytes > bucket_bytes:
+                sizes[bucket] = offset
+                bucket, offset = f"{prefix}{len(sizes)}", 0
+            offset = _aligned(offset, itemsize)
+            manifest.append(
+                {
+                    "name": name,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape": list(shape),
+                    "bucket": bucket,
+                    "offset": offset,
+                    "nbytes": nbytes,
+                }
+            )
+            offset += nbytes
+        sizes[bucket] = offset
+        return cls(sizes, manifest)
+
+    @classmethod
+    def of(cls, meta: dict) -> "BucketLayout":
+        """The layout an announcement's JSON describes."""
+        return cls(meta["buckets"], meta["tensors"])
+
+    def allocate(self) -> dict[str, torch.Tensor]:
+        return {name: torch.empty(max(size, 1), dtype=torch.uint8, device=HOST) for name, size in self.sizes.items()}
+
+    def pack(self, buffers: Mapping[str, torch.Tensor], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy `tensors` into their places in `buffers` (a tensor not in the layout is an error)."""
+        views = unpack_buckets(self.manifest, buffers, copy=False)
+        for name, tensor in tensors:
+            place_tensor(views, name, tensor)
+
+
+def place_tensor(views: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Copy `tensor` into its view in a bucket, converted to the view's dtype (on its own device first, so
+    a GPU tensor crosses to the host already converted); the view."""
+    view = views.get(name)
+    if view is None or view.shape != tensor.shape:
+        raise SchemaError(
+            f"weights tensor {name!r}: shape {tuple(tensor.shape)} is not in the buckets' layout "
+            f"({'absent' if view is None else tuple(view.shape)})"
         )
-        offset += nbytes
+    view.copy_(tensor if tensor.device == view.device else tensor.to(view.dtype))
+    return view
 
 
 def unpack_buckets(manifest: list, buffers: Mapping[str, torch.Tensor], copy: bool = True) -> dict[str, torch.Tensor]:
@@ -174,7 +227,7 @@ def unpack_buckets(manifest: list, buffers: Mapping[str, torch.Tensor], copy: bo
 
 def verify(published: Published, tensors: Mapping[str, torch.Tensor]) -> None:
     """CorruptWeights unless `tensors` are the version `published` announced."""
-    _check_checksum(published, tensors_checksum(tensors))
+    check_checksum(published, tensors_checksum(tensors))
 
 
 def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:

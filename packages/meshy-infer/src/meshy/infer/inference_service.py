@@ -326,7 +326,8 @@ class InferenceService:
 
     async def _receive(self, announced: list[Published]) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Join the broadcast of every announced version not joined yet, in order (the publisher sends each
-        once and waits for every engine, so none may be skipped); the newest one received intact."""
+        once and waits for every engine, so none may be skipped); the newest one, if it was received
+        intact (its tensors are valid until the next receive)."""
         if self.weight_sync is None:
             raise SchemaError(
                 f"weights v{announced[-1].version} are broadcast on the weight-sync group, "
@@ -341,6 +342,7 @@ class InferenceService:
                 _, tensors = await asyncio.to_thread(self.weight_sync.receive, published)
             except CorruptWeights as e:
                 self._not_loaded(published.version, e)
+                newest = None  # received into the same buffers: an earlier version's tensors are gone too
                 continue
             newest = (published.version, tensors)
         return newest

@@ -12,7 +12,6 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from meshy.dataplane import HOST, DataPlaneClient, SchemaError, weight_delta
+from meshy.dataplane import DataPlaneClient, SchemaError, weight_delta
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import (
     COLLECTIVE,
@@ -29,45 +28,42 @@ from meshy.dataplane.weights import (
     DTYPES,
     SHARED_MEMORY,
     WEIGHTS_STREAM,
+    BucketLayout,
     Published,
-    bucket_nbytes,
+    TensorSpec,
     combine_digests,
-    pack_bucket,
+    digest_later,
+    place_tensor,
     tensor_digest,
+    unpack_buckets,
 )
 from meshy.train.models import DecoderArch
-
-# Tensor digests are computed on a helper thread while the shards are written (xxhash and safetensors'
-# writer both release the GIL), so the checksum costs next to nothing on top of the write.
-_digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshy-weights-digest")
 
 
 def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def hf_tensors(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs gathered one at a time. Every rank must iterate; only rank 0 gets data."""
+def full_hf_tensors(model: torch.nn.Module, arch: DecoderArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor where the model keeps it, in its dtype) pairs gathered one at a time. Every
+    rank must iterate; only rank 0 gets data."""
     adapter = arch.state_dict_adapter()
     for name, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if _is_writer():
-            for hf_name, tensor in adapter.to_hf({name: full.detach()}).items():
-                yield hf_name, tensor.to(dtype).cpu().contiguous()  # converted where it lives (GPU: on device)
+            yield from adapter.to_hf({name: full.detach()}).items()
 
 
-def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Tensors in order, grouped into buckets of at most `bucket_bytes` (a larger tensor goes alone)."""
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-    group_bytes = 0
-    for name, tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
-        if groups[-1] and group_bytes + size > bucket_bytes:
-            groups.append([])
-            group_bytes = 0
-        groups[-1].append((name, tensor))
-        group_bytes += size
-    return groups
+def hf_tensors(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """full_hf_tensors in `dtype` on the host."""
+    for name, tensor in full_hf_tensors(model, arch):
+        yield name, tensor.to(dtype).cpu().contiguous()  # converted where it lives (GPU: on device)
+
+
+def hf_specs(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) -> list[TensorSpec]:
+    """(HF name, `dtype`, shape) of every tensor full_hf_tensors yields, in order, without moving data."""
+    shapes = {name: torch.empty(value.shape, device="meta") for name, value in model.state_dict().items()}
+    return [(name, dtype, tuple(t.shape)) for name, t in arch.state_dict_adapter().to_hf(shapes).items()]
 
 
 def _check_dtype(dtype: str) -> None:
@@ -114,7 +110,7 @@ class DirectoryPublisher:
         shard: dict[str, torch.Tensor] = {}
         shard_bytes, weight_map, files, digests = 0, {}, [], {}
         for name, tensor in hf_tensors(model, self.arch, DTYPES[self.dtype]):
-            digests[name] = _digester.submit(tensor_digest, tensor)  # hashed while shards are written
+            digests[name] = digest_later(tensor)  # hashed while shards are written
             size = tensor.numel() * tensor.element_size()
             if shard and shard_bytes + size > self.max_shard_bytes:
                 files.append(self._write(tmp, len(files), shard))
@@ -186,33 +182,32 @@ class SharedMemoryPublisher:
 
     def publish(self, model: torch.nn.Module, version: int) -> Published | None:
         start = time.perf_counter()
-        groups = bucketed(hf_tensors(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
+        tensors = list(hf_tensors(model, self.arch, DTYPES[self.dtype]))
         if not _is_writer():
             return None
-        manifest, buckets = [], []
-        for i, group in enumerate(groups):
-            buckets.append(self._write_bucket(f"{self.prefix}-v{version}-b{i}", group, manifest))
-        sizes = {shm.name: bucket_nbytes(group) for shm, group in zip(buckets, groups, strict=True)}
-        meta = {"config": self.arch.hf_config(self.dtype), "buckets": sizes, "tensors": manifest}
-        digest = combine_digests({name: tensor_digest(tensor) for group in groups for name, tensor in group})
+        specs = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors]
+        layout = BucketLayout.plan(specs, self.bucket_bytes, prefix=f"{self.prefix}-v{version}-b")
+        buckets = {
+            name: shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+            for name, size in layout.sizes.items()
+        }
+        buffers = {
+            name: torch.frombuffer(shm.buf, dtype=torch.uint8, count=max(layout.sizes[name], 1))
+            for name, shm in buckets.items()
+        }
+        layout.pack(buffers, tensors)
+        del buffers  # no view may outlive the mappings
+        meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
+        digest = combine_digests({name: tensor_digest(tensor) for name, tensor in tensors})
         published = Published(
-            version, SHARED_MEMORY, json.dumps(meta), digest, sum(sizes.values()), time.perf_counter() - start
+            version, SHARED_MEMORY, json.dumps(meta), digest, sum(layout.sizes.values()), time.perf_counter() - start
         )
-        self._versions[version] = buckets
+        self._versions[version] = list(buckets.values())
         if self.client is not None:
             self.client.append(self.stream, published.to_message())
         for old in [v for v in self._versions if v <= version - self.keep]:
             self._unlink(old)
         return published
-
-    @staticmethod
-    def _write_bucket(name: str, tensors: list[tuple[str, torch.Tensor]], manifest: list) -> shared_memory.SharedMemory:
-        size = bucket_nbytes(tensors)
-        shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
-        buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=max(size, 1))
-        pack_bucket(buffer, name, tensors, manifest)
-        del buffer  # no view may outlive the mapping
-        return shm
 
     def _unlink(self, version: int) -> None:
         for shm in self._versions.pop(version):
@@ -227,12 +222,13 @@ class SharedMemoryPublisher:
 
 class CollectivePublisher:
     """Version v as buckets that training rank 0 broadcasts to every engine on the weight-sync group, after
-    announcing it (config, bucket manifest, checksum) on the `weights` stream so the engines join. Nothing
-    touches disk; rank 0 holds one packed copy of the version while it is sent.
+    announcing it (config, bucket layout, checksum) on the `weights` stream so the engines join. Nothing
+    touches disk. Rank 0 plans the buckets once and converts every version straight into the same
+    buffers, hashing each tensor on a helper thread meanwhile.
 
     delta: send what changed since the previous version (meshy.dataplane.weight_delta), every
     `full_every`-th version whole, so an engine that could not apply a delta is back on track by then;
-    rank 0 then also keeps the previous version."""
+    rank 0 then keeps two sets of buffers, this version's and the previous one's."""
 
     def __init__(
         self,
@@ -260,37 +256,50 @@ class CollectivePublisher:
         self.bucket_bytes = bucket_bytes
         self.delta = delta
         self.full_every = full_every
-        self._base: dict[str, torch.Tensor] = {}  # the previous version, when sending deltas
-        self._base_version: int | None = None
+        self._layout: BucketLayout | None = None
+        self._free: list[dict[str, torch.Tensor]] = []  # buffers to fill with the next version
+        self._previous: dict[str, torch.Tensor] | None = None  # the previous version's buffers (delta)
+        self._previous_version: int | None = None
         self._since_full = 0
 
     def publish(self, model: torch.nn.Module, version: int) -> Published | None:
         """Every rank calls this (the gather is a collective); rank 0 announces, then broadcasts."""
         start = time.perf_counter()
-        current = dict(hf_tensors(model, self.arch, DTYPES[self.dtype]))
+        tensors = full_hf_tensors(model, self.arch)
         if not _is_writer():
+            list(tensors)  # joins every gather; yields nothing here
             return None
-        checksum = combine_digests({name: tensor_digest(tensor) for name, tensor in current.items()})
-        segments, delta = list(current.items()), None
-        if self.delta and self._base_version is not None and self._since_full < self.full_every - 1:
-            segments, delta = weight_delta.encode(current, self._base)
-            delta["base"] = self._base_version
+        if self._layout is None:
+            self._layout = BucketLayout.plan(hf_specs(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
+        buffers = self._free.pop() if self._free else self._layout.allocate()
+        views = unpack_buckets(self._layout.manifest, buffers, copy=False)
+        digests = {name: digest_later(place_tensor(views, name, tensor)) for name, tensor in tensors}
+        if digests.keys() != views.keys():
+            raise SchemaError(f"collective publishing v{version}: the model lacks {sorted(views - digests.keys())[:3]}")
+        checksum = combine_digests({name: digest.result() for name, digest in digests.items()})
+        layout, sent, delta = self._layout, buffers, None
+        if self.delta and self._previous is not None and self._since_full < self.full_every - 1:
+            previous = unpack_buckets(self._layout.manifest, self._previous, copy=False)
+            segments, delta = weight_delta.encode(views, previous)
+            delta["base"] = self._previous_version
+            layout = BucketLayout.plan([(name, t.dtype, tuple(t.shape)) for name, t in segments], self.bucket_bytes)
+            sent = layout.allocate()
+            layout.pack(sent, segments)
+            del segments, previous
         self._since_full = 0 if delta is None else self._since_full + 1
-        manifest, buckets, sizes = [], [], {}
-        for i, group in enumerate(bucketed(iter(segments), self.bucket_bytes)):
-            name = f"b{i}"
-            sizes[name] = bucket_nbytes(group)
-            buckets.append(torch.empty(sizes[name], dtype=torch.uint8, device=HOST))
-            pack_bucket(buckets[-1], name, group, manifest)
-        del segments
-        meta = {"config": self.arch.hf_config(self.dtype), "buckets": sizes, "tensors": manifest}
+        meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
         if delta is not None:
             meta["delta"] = delta
         seconds = time.perf_counter() - start  # gathered and packed
-        published = Published(version, COLLECTIVE, json.dumps(meta), checksum, sum(sizes.values()), seconds)
+        published = Published(version, COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), seconds)
         if self.client is not None:
             self.client.append(self.stream, published.to_message())
-        self.group.send(published, buckets)
-        if self.delta:
-            self._base, self._base_version = current, version
+        del views
+        self.group.send(published, sent)
+        if self.delta:  # this version is the next one's base; the previous one's buffers are free
+            if self._previous is not None:
+                self._free.append(self._previous)
+            self._previous, self._previous_version = buffers, version
+        else:
+            self._free.append(buffers)
         return published
