@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.model_source import read_model
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.roles.rollout import FREE_BATCHES
@@ -340,8 +341,10 @@ def test_a_killed_ppo_run_resumes_its_critic_from_the_checkpoint_of_the_policy_v
 def test_weights_broadcast_to_two_engines_reach_every_engine_every_version(tmp_path, delta):
     """publish = "collective": two FSDP training ranks gather each version and rank 0 broadcasts it (or,
     with delta, what changed) to two inference processes on the weight-sync group; each engine verifies
-    the checksum (the trainer's full tensors) before it loads. Nothing is written under weights/."""
-    recipe = small_recipe(tmp_path, "1", top=f'publish = "collective"\ndelta = {str(delta).lower()}\n')
+    the checksum (the trainer's full tensors) before it loads. Nothing is written under weights/; every
+    2nd version is kept as an HF directory (hf_every), the last one the final weights."""
+    top = f'publish = "collective"\ndelta = {str(delta).lower()}\nhf_every = 2\n'
+    recipe = small_recipe(tmp_path, "1", top=top)
     text = recipe.read_text().replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2")
     recipe.write_text(text.replace("[roles.inference]\nprocesses = 1", "[roles.inference]\nprocesses = 2"))
     run_dir = run(recipe)
@@ -350,3 +353,10 @@ def test_weights_broadcast_to_two_engines_reach_every_engine_every_version(tmp_p
         stats = records(run_dir, engine)[-1]
         assert stats["failed_loads"] == 0 and stats["versions"][-1] == STEPS, stats
     assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
+    kept = sorted(p.name for p in (run_dir / "hf_versions").iterdir())
+    assert kept == [f"v{v:06d}" for v in range(0, STEPS + 1, 2)]
+    last = dict(HFDirectory.open(run_dir / "hf_versions" / kept[-1]).tensors())
+    final = dict(HFDirectory.open(run_dir / "final_weights").tensors())
+    assert last.keys() == final.keys()
+    for name, tensor in final.items():
+        assert torch.equal(last[name], tensor), name

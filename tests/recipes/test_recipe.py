@@ -80,6 +80,10 @@ def test_the_embedded_default_loads_and_resolves():
             'delta: sending only what changed needs publish = "collective", got "disk"',
         ),
         (
+            lambda t: "hf_every = -1\n" + t,
+            "hf_every: expected >= 0 versions between kept HF directories, got -1",
+        ),
+        (
             lambda t: 'publish = "nccl"\n' + t,
             "Recipe.publish: expected Literal['disk', 'shared-memory', 'collective'], got str 'nccl'",
         ),

@@ -9,12 +9,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshy.dataplane import SchemaError
+from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.weight_sync import WeightSyncGroup
-from meshy.dataplane.weights import CorruptWeights, Published, read_published
+from meshy.dataplane.weights import DISK, SHARED_MEMORY, CorruptWeights, Published, read_published
 from meshy.train.logprobs import forward_logits
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, load_weights
-from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher, hf_tensors
+from meshy.train.publish import (
+    CollectivePublisher,
+    DirectoryPublisher,
+    KeepingPublisher,
+    SharedMemoryPublisher,
+    hf_tensors,
+)
 
 
 @pytest.mark.parametrize(
@@ -106,6 +114,36 @@ def test_shared_memory_versions_round_trip_and_are_unlinked(unique):
     publisher.close()
     with pytest.raises(CorruptWeights):
         read_published(second)
+
+
+@pytest.mark.parametrize("transport", ["disk", "shared-memory"])
+def test_every_nth_version_is_kept_as_an_hf_directory_whatever_the_transport(tmp_path, unique, transport):
+    arch = get_model("qwen3-tiny")
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=4)
+    if transport == "disk":
+        inner = DirectoryPublisher(tmp_path / "weights", arch, dtype="bfloat16", keep=1)
+    else:
+        inner = SharedMemoryPublisher(unique("meshy-test"), arch, dtype="bfloat16", keep=1)
+    publisher = KeepingPublisher(inner, 2, tmp_path / "kept", arch, "bfloat16")
+    expected = {}
+    for version in range(5):
+        rl_step(model, version + 1)
+        expected[version] = dict(hf_tensors(model, arch, torch.bfloat16))
+        published = publisher.publish(model, version)
+        assert published.version == version and published.format == {"disk": DISK}.get(transport, SHARED_MEMORY)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["v000000", "v000002", "v000004"]
+    for version in (0, 2, 4):
+        tensors = dict(HFDirectory.open(tmp_path / "kept" / f"v{version:06d}").tensors())
+        assert tensors.keys() == expected[version].keys()
+        assert all(torch.equal(tensors[n], t) for n, t in expected[version].items()), version
+    if transport == "disk":  # linked, not copied; and still there once the transport pruned its own copy
+        assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000004"]
+        kept, live = (tmp_path / where / "v000004" / "model.safetensors" for where in ("kept", "weights"))
+        assert kept.stat().st_ino == live.stat().st_ino
+    else:
+        inner.close()
+    with pytest.raises(SchemaError, match="hf_every: expected versions >= 1 between kept versions, got 0"):
+        KeepingPublisher(inner, 0, tmp_path / "kept", arch, "bfloat16")
 
 
 def test_meta_instantiation_gives_the_published_parameter_counts():

@@ -252,8 +252,10 @@ class Recipe:
     weights reach inference: "disk" (HF directories), "shared-memory" (buckets on this host) or
     "collective" (buckets broadcast from training rank 0 to every inference process on a process group
     of their own: meshy.dataplane.weight_sync). delta: with "collective", send only what changed since
-    the previous version (a whole one every 10th). extra_columns: columns added to the
-    rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
+    the previous version (a whole one every 10th). hf_every: also keep every n-th version (0: none) as
+    an HF directory in the run's hf_versions/, whatever `publish` is (the final weights are always kept).
+    extra_columns: columns added to the rollout table for custom roles ([[extra_columns]] name, dtype,
+    shape)."""
 
     name: str
     steps: int = 100
@@ -263,6 +265,7 @@ class Recipe:
     stall_after_s: float = 300.0
     publish: Literal["disk", "shared-memory", "collective"] = "disk"
     delta: bool = False
+    hf_every: int = 0
     colocate: tuple[tuple[str, ...], ...] = ()
     share_devices: tuple[tuple[str, ...], ...] = ()
     extra_columns: tuple[Column, ...] = ()
@@ -277,6 +280,8 @@ class Recipe:
         check_fields(self)
         if self.steps < 1 or self.checkpoint_every < 0:
             raise SchemaError(f"steps >= 1 and checkpoint_every >= 0, got {self.steps}, {self.checkpoint_every}")
+        if self.hf_every < 0:
+            raise SchemaError(f"hf_every: expected >= 0 versions between kept HF directories, got {self.hf_every}")
         if not 0 < self.stall_after_s < math.inf:
             raise SchemaError(f"stall_after_s: expected a finite number of seconds > 0, got {self.stall_after_s}")
         roles = dict(self.roles.items())

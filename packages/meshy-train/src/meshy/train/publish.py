@@ -1,5 +1,6 @@
 """Publishing trained weights: each version as a Hugging Face directory, as shared-memory buckets, or as
-buckets broadcast to the engines on the weight-sync group (meshy.dataplane.weight_sync).
+buckets broadcast to the engines on the weight-sync group (meshy.dataplane.weight_sync); and every n-th
+version kept as an HF directory whatever the transport (KeepingPublisher).
 
 Both publishers gather the model tensor by tensor (a DTensor's `full_tensor` is a collective every
 rank joins; only rank 0 keeps the result), so no rank ever holds a second copy of the whole model. Rank
@@ -302,4 +303,37 @@ class CollectivePublisher:
             self._previous, self._previous_version = buffers, version
         else:
             self._free.append(buffers)
+        return published
+
+
+class KeepingPublisher:
+    """Another publisher's versions, every `every`-th one (version 0 included) also kept for good as an HF
+    directory `root/v{v:06d}` in `dtype`, whatever the transport: shared-memory and
+    broadcast versions vanish with the run, and disk keeps only the newest few. A disk version is kept
+    as hard links to the files already written; others are written (every rank calls publish: the
+    gather is a collective)."""
+
+    def __init__(
+        self,
+        publisher: DirectoryPublisher | SharedMemoryPublisher | CollectivePublisher,
+        every: int,
+        root: str | Path,
+        arch: DecoderArch,
+        dtype: str,
+    ):
+        if every < 1:
+            raise SchemaError(f"hf_every: expected versions >= 1 between kept versions, got {every}")
+        self.publisher = publisher
+        self.every = every
+        self.root = Path(root)
+        self._writer = DirectoryPublisher(self.root, arch, None, dtype=dtype, keep=1 << 62)  # keeps every one
+
+    def publish(self, model: torch.nn.Module, version: int) -> Published | None:
+        published = self.publisher.publish(model, version)
+        if version % self.every == 0:
+            if isinstance(self.publisher, DirectoryPublisher):
+                if published is not None:
+                    shutil.copytree(published.location, self.root / f"v{version:06d}", copy_function=os.link)
+            else:
+                self._writer.publish(model, version)
         return published

@@ -17,9 +17,11 @@ from meshy.recipes.progress import Progress
 from meshy.recipes.reference_weights import publish_reference
 from meshy.train import checkpoint, offload
 from meshy.train.parallel import build_model
-from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
+from meshy.train.publish import CollectivePublisher, DirectoryPublisher, KeepingPublisher, SharedMemoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyTrainer
+
+KEPT = "hf_versions"  # the run's every hf_every-th version (recipe.hf_every)
 
 
 class TrainingRole:
@@ -38,6 +40,8 @@ class TrainingRole:
         else:
             publisher = DirectoryPublisher(ctx.run_dir / "weights", self.arch, ctx.client, dtype=dtype, keep=4)
         self.publisher = publisher
+        if recipe.hf_every:
+            publisher = KeepingPublisher(publisher, recipe.hf_every, ctx.run_dir / KEPT, self.arch, dtype)
         config = TrainServiceConfig(
             table=ctx.table,
             groups_per_rank=algo.prompts_per_step // ctx.slot.count,
@@ -109,7 +113,7 @@ class TrainingRole:
             version = 0
             load_init(self.trainer.model, self.arch, self.ctx.recipe.model.init)
         if self.lead:
-            for stale in (self.ctx.run_dir / "weights").glob("v[0-9]*"):
+            for stale in [*(self.ctx.run_dir / "weights").glob("v[0-9]*"), *(self.ctx.run_dir / KEPT).glob("v[0-9]*")]:
                 if stale.name[1:].isdigit() and int(stale.name[1:]) >= version:
                     shutil.rmtree(stale)
             kept = [m for m in self._metrics() if m["version"] <= version]
