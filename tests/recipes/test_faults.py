@@ -55,7 +55,8 @@ def wait_for_version(run, run_root, version: int):
     ],
 )
 def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss(tmp_path, target, publish):
-    recipe = small_recipe(tmp_path, "1", top=f'publish = "{publish}"\n', steps=STEPS)
+    kept = "hf_every = 1\n" if publish == "collective" else ""  # resume drops and rewrites kept versions too
+    recipe = small_recipe(tmp_path, "1", top=f'publish = "{publish}"\n{kept}', steps=STEPS)
     text = re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 2", recipe.read_text(), flags=re.M)
     recipe.write_text(text.replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2"))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -81,9 +82,14 @@ def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss
     assert f"with: meshy run --resume {run_dir}" in stderr
     assert stopped_after < STOP_WITHIN_S
     restored = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
+    torn = run_dir / ("hf_versions" if kept else "weights") / f".v{restored + 1:06d}.tmp1"  # as a kill mid-write leaves
+    torn.mkdir(parents=True, exist_ok=True)
     resumed = subprocess.run([*COMMAND, "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
+    assert not torn.exists()
+    if kept:
+        assert sorted(p.name for p in (run_dir / "hf_versions").iterdir()) == [f"v{v:06d}" for v in range(STEPS + 1)]
 
 
 def children(pid: int) -> list[int]:

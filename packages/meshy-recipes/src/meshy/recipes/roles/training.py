@@ -113,9 +113,12 @@ class TrainingRole:
             version = 0
             load_init(self.trainer.model, self.arch, self.ctx.recipe.model.init)
         if self.lead:
-            for stale in [*(self.ctx.run_dir / "weights").glob("v[0-9]*"), *(self.ctx.run_dir / KEPT).glob("v[0-9]*")]:
-                if stale.name[1:].isdigit() and int(stale.name[1:]) >= version:
-                    shutil.rmtree(stale)
+            for directory in (self.ctx.run_dir / "weights", self.ctx.run_dir / KEPT):
+                for stale in directory.glob("v[0-9]*"):
+                    if stale.name[1:].isdigit() and int(stale.name[1:]) >= version:
+                        shutil.rmtree(stale)
+                for torn in directory.glob(".v[0-9]*.tmp*"):  # a version being written when the run stopped
+                    shutil.rmtree(torn)
             kept = [m for m in self._metrics() if m["version"] <= version]
             (self.ctx.run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
         return version
