@@ -20,6 +20,7 @@ import multiprocessing
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def rl_step(model: torch.nn.Module, step: int) -> None:
             p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype).sign(), alpha=1e-6)
 
 
-def bench_model(name: str, args: argparse.Namespace, root: Path) -> list[dict]:
+def bench_model(name: str, args: argparse.Namespace, root: Path) -> Iterator[dict]:
     arch = get_model(name)
     model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
     first = DirectoryPublisher(root / "first", arch, dtype=args.dtype).publish(model, 0).location
@@ -82,42 +83,46 @@ def bench_model(name: str, args: argparse.Namespace, root: Path) -> list[dict]:
     group = WeightSyncGroup(store, 0, 2, timeout_s=600)
     done.get(timeout=600)  # the engine is up, serving version 0
     stream = QueueStream(announced)
-    publishers = {
-        "disk": DirectoryPublisher(root / "weights", arch, stream, dtype=args.dtype, keep=2),
-        "shared-memory": SharedMemoryPublisher(f"meshy-bench-{name}", arch, stream, dtype=args.dtype, keep=2),
-        "collective": CollectivePublisher(group, arch, stream, dtype=args.dtype),
-        "collective+delta": CollectivePublisher(group, arch, stream, dtype=args.dtype, delta=True, full_every=1000),
+    publishers = {  # built one at a time, and dropped after use: a 1.7B model's buffers take GBs
+        "disk": lambda: DirectoryPublisher(root / "weights", arch, stream, dtype=args.dtype, keep=1),
+        "shared-memory": lambda: SharedMemoryPublisher(f"meshy-bench-{name}", arch, stream, dtype=args.dtype, keep=1),
+        "collective": lambda: CollectivePublisher(group, arch, stream, dtype=args.dtype),
+        "collective+delta": lambda: CollectivePublisher(
+            group, arch, stream, dtype=args.dtype, delta=True, full_every=1000
+        ),
     }
-    rows, version = [], 0
+    version = 0
     try:
         for transport in TRANSPORTS:
+            publisher = publishers[transport]()
             seconds, moved, full = [], [], None
-            for _ in range(args.versions + (transport == "collective+delta")):
-                version += 1
-                rl_step(model, version)
-                start = time.monotonic()
-                published = publishers[transport].publish(model, version)
-                arrived = done.get(timeout=600)
-                if full is None:
-                    full = published.num_bytes
-                    if transport == "collective+delta":
-                        continue  # the whole version the deltas start from
-                seconds.append(arrived - start)
-                moved.append(published.num_bytes)
-            rows.append(
-                {
-                    "model": name,
-                    "transport": transport,
-                    "gb": statistics.median(moved) / 1e9,
-                    "share": statistics.median(moved) / full,
-                    "s": statistics.median(seconds),
-                }
-            )
+            try:
+                for _ in range(args.versions + (transport == "collective+delta")):
+                    version += 1
+                    rl_step(model, version)
+                    start = time.monotonic()
+                    published = publisher.publish(model, version)
+                    arrived = done.get(timeout=600)
+                    if full is None:
+                        full = published.num_bytes
+                        if transport == "collective+delta":
+                            continue  # the whole version the deltas start from
+                    seconds.append(arrived - start)
+                    moved.append(published.num_bytes)
+            finally:
+                if isinstance(publisher, SharedMemoryPublisher):
+                    publisher.close()
+            del publisher
+            yield {
+                "model": name,
+                "transport": transport,
+                "gb": statistics.median(moved) / 1e9,
+                "share": statistics.median(moved) / full,
+                "s": statistics.median(seconds),
+            }
     finally:
         announced.put(None)
         engine.join(120)
-        publishers["shared-memory"].close()
-    return rows
 
 
 def main() -> None:
@@ -126,19 +131,19 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
-    rows = []
-    for name in args.models:
-        with tempfile.TemporaryDirectory(prefix="meshy-bench-weights-") as root:
-            rows += bench_model(name, args, Path(root))
     print(f"\nweight sync, {args.dtype}, median of {args.versions} versions, trainer and engine on this host (CPU)")
     print("| model | transport | GB moved per version | share of a version | seconds | GB/s | vs disk |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        disk = next(r["s"] for r in rows if r["model"] == row["model"] and r["transport"] == "disk")
-        print(
-            f"| {row['model']} | {row['transport']} | {row['gb']:.3f} | {row['share']:.1%} | {row['s']:.2f} | "
-            f"{row['gb'] / row['s']:.2f} | {disk / row['s']:.2f}x |"
-        )
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for name in args.models:
+        with tempfile.TemporaryDirectory(prefix="meshy-bench-weights-") as root:
+            disk = None
+            for row in bench_model(name, args, Path(root)):  # printed as measured: a long run keeps what it has
+                disk = disk or row["s"]
+                print(
+                    f"| {row['model']} | {row['transport']} | {row['gb']:.3f} | {row['share']:.1%} | {row['s']:.2f} | "
+                    f"{row['gb'] / row['s']:.2f} | {disk / row['s']:.2f}x |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

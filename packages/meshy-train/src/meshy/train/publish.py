@@ -8,6 +8,7 @@ rank joins; only rank 0 keeps the result), so no rank ever holds a second copy o
 defines the message and the verified reader).
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -35,7 +36,6 @@ from meshy.dataplane.weights import (
     combine_digests,
     digest_later,
     place_tensor,
-    tensor_digest,
     unpack_buckets,
 )
 from meshy.train.models import DecoderArch
@@ -65,6 +65,18 @@ def hf_specs(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) -> l
     """(HF name, `dtype`, shape) of every tensor full_hf_tensors yields, in order, without moving data."""
     shapes = {name: torch.empty(value.shape, device="meta") for name, value in model.state_dict().items()}
     return [(name, dtype, tuple(t.shape)) for name, t in arch.state_dict_adapter().to_hf(shapes).items()]
+
+
+def pack_version(
+    layout: BucketLayout, buffers: dict[str, torch.Tensor], tensors: Iterator[tuple[str, torch.Tensor]], what: str
+) -> str:
+    """Convert `tensors` (full_hf_tensors) into their places in `buffers`, hashing each on the digest
+    thread while the next is copied; the version's checksum."""
+    views = unpack_buckets(layout.manifest, buffers, copy=False)
+    digests = {name: digest_later(place_tensor(views, name, tensor)) for name, tensor in tensors}
+    if digests.keys() != views.keys():
+        raise SchemaError(f"{what}: the model lacks tensors of the layout: {sorted(views.keys() - digests.keys())[:3]}")
+    return combine_digests({name: digest.result() for name, digest in digests.items()})
 
 
 def _check_dtype(dtype: str) -> None:
@@ -183,25 +195,32 @@ class SharedMemoryPublisher:
 
     def publish(self, model: torch.nn.Module, version: int) -> Published | None:
         start = time.perf_counter()
-        tensors = list(hf_tensors(model, self.arch, DTYPES[self.dtype]))
+        tensors = full_hf_tensors(model, self.arch)
         if not _is_writer():
+            list(tensors)  # joins every gather; yields nothing here
             return None
-        specs = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors]
+        specs = hf_specs(model, self.arch, DTYPES[self.dtype])
         layout = BucketLayout.plan(specs, self.bucket_bytes, prefix=f"{self.prefix}-v{version}-b")
         buckets = {
             name: shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
             for name, size in layout.sizes.items()
         }
-        buffers = {
-            name: torch.frombuffer(shm.buf, dtype=torch.uint8, count=max(layout.sizes[name], 1))
-            for name, shm in buckets.items()
-        }
-        layout.pack(buffers, tensors)
-        del buffers  # no view may outlive the mappings
+        try:
+            buffers = {
+                name: torch.frombuffer(shm.buf, dtype=torch.uint8, count=max(layout.sizes[name], 1))
+                for name, shm in buckets.items()
+            }
+            checksum = pack_version(layout, buffers, tensors, f"shared-memory publishing v{version}")
+            del buffers  # no view may outlive the mappings
+        except BaseException:
+            for shm in buckets.values():
+                shm.unlink()  # freed once the last view of it is gone
+                with contextlib.suppress(BufferError):
+                    shm.close()
+            raise
         meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
-        digest = combine_digests({name: tensor_digest(tensor) for name, tensor in tensors})
         published = Published(
-            version, SHARED_MEMORY, json.dumps(meta), digest, sum(layout.sizes.values()), time.perf_counter() - start
+            version, SHARED_MEMORY, json.dumps(meta), checksum, sum(layout.sizes.values()), time.perf_counter() - start
         )
         self._versions[version] = list(buckets.values())
         if self.client is not None:
@@ -273,20 +292,17 @@ class CollectivePublisher:
         if self._layout is None:
             self._layout = BucketLayout.plan(hf_specs(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
         buffers = self._free.pop() if self._free else self._layout.allocate()
-        views = unpack_buckets(self._layout.manifest, buffers, copy=False)
-        digests = {name: digest_later(place_tensor(views, name, tensor)) for name, tensor in tensors}
-        if digests.keys() != views.keys():
-            raise SchemaError(f"collective publishing v{version}: the model lacks {sorted(views - digests.keys())[:3]}")
-        checksum = combine_digests({name: digest.result() for name, digest in digests.items()})
+        checksum = pack_version(self._layout, buffers, tensors, f"collective publishing v{version}")
         layout, sent, delta = self._layout, buffers, None
         if self.delta and self._previous is not None and self._since_full < self.full_every - 1:
+            views = unpack_buckets(self._layout.manifest, buffers, copy=False)
             previous = unpack_buckets(self._layout.manifest, self._previous, copy=False)
             segments, delta = weight_delta.encode(views, previous)
             delta["base"] = self._previous_version
             layout = BucketLayout.plan([(name, t.dtype, tuple(t.shape)) for name, t in segments], self.bucket_bytes)
             sent = layout.allocate()
             layout.pack(sent, segments)
-            del segments, previous
+            del segments, previous, views
         self._since_full = 0 if delta is None else self._since_full + 1
         meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
         if delta is not None:
@@ -295,7 +311,6 @@ class CollectivePublisher:
         published = Published(version, COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), seconds)
         if self.client is not None:
             self.client.append(self.stream, published.to_message())
-        del views
         self.group.send(published, sent)
         if self.delta:  # this version is the next one's base; the previous one's buffers are free
             if self._previous is not None:
