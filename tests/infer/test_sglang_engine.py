@@ -10,21 +10,26 @@ closes it gets a new one for the next.
 import asyncio
 import importlib.util
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from meshy.dataplane import SchemaError
+from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import CorruptWeights, Published, read_published
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH
 from meshy.infer.torch_engine import TorchEngine
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model
-from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher
+from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
 from tests.infer.conformance import EngineConformance, EngineSpec, async_case, greedy, probe, prompt
 
 pytestmark = pytest.mark.sglang
@@ -275,6 +280,44 @@ def test_the_engine_starts_while_another_process_takes_and_gives_back_memory(sha
         churn.wait()
     generated = asyncio.run(shared[-1].generate("after-start", prompt(0), greedy(4)))
     assert 1 <= len(generated.output_ids) <= 4
+
+
+def test_an_engine_starts_from_a_broadcast_version_and_takes_the_next_one(shared, published):
+    """What the inference role does with publish = "collective": the first version received on the
+    weight-sync group (tensors in memory) starts the engine, the next one updates it; each serves what a
+    reference engine serves from the same weights on disk."""
+    for engine in shared:  # one SGLang engine per process at a time: this one becomes the module's
+        if not engine.closed:
+            asyncio.run(engine.close())
+    store, announced = dist.HashStore(), queue.Queue()
+    stream = SimpleNamespace(append=lambda _, message: announced.put(message))
+
+    def publish() -> None:
+        publisher = CollectivePublisher(WeightSyncGroup(store, 0, 2, timeout_s=300), ARCH, stream, dtype="float32")
+        for version, seed in ((3, 0), (4, 1)):
+            publisher.publish(sharp_model(seed), version)
+
+    sender = threading.Thread(target=publish)
+    sender.start()
+    group = WeightSyncGroup(store, 1, 2, timeout_s=300)
+    config, tensors = group.receive(Published.from_message(announced.get(timeout=300)))
+    shared.append(start_engine((config, tensors), version=3))
+    engine = shared[-1]
+
+    async def serves(version: int, same_weights: Published) -> None:
+        assert engine.weight_version == version
+        reference = TorchEngine(same_weights, max_len=MAX_LEN)
+        ids = prompt(45)
+        ours, theirs = await engine.generate("bc", ids, greedy(16)), await reference.generate("bc", ids, greedy(16))
+        assert ours.output_ids == theirs.output_ids and ours.token_versions == [version] * 16
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+        await reference.close()
+
+    asyncio.run(serves(3, published[0]))  # sharp_model(0)'s weights
+    asyncio.run(engine.update_weights(4, group.receive(Published.from_message(announced.get(timeout=300)))[1]))
+    sender.join(60)
+    asyncio.run(serves(4, published[1]))  # sharp_model(1)'s
+    asyncio.run(back_to_start(engine, published[0]))
 
 
 def test_importing_the_engine_module_does_not_import_sglang():

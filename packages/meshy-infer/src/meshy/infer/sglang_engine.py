@@ -11,6 +11,10 @@ no other copy in this process). Its output carries the logprob of every sampled 
 applied, before top-k/top-p truncation, as the trainer computes it) and the spans of weight versions
 SGLang records, expanded here to one version per token.
 
+An engine starts from a published version, an HF directory, or (config, tensors) in memory (a version
+received on the weight-sync group): SGLang then starts from config.json alone with dummy weights, and
+the tensors go in as a weight update before the constructor returns.
+
 Pause, weight updates and release all hold generation the same way, with SGLang's pause_generation: in
 "retract" mode running requests go back to SGLang's queue and their KV cache is recomputed when
 generation continues (so every token after a weight update comes from the new weights); in "abort" mode
@@ -35,10 +39,13 @@ What SGLang cannot do here, and what happens instead:
 import asyncio
 import atexit
 import contextlib
+import json
 import logging
 import multiprocessing
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Mapping
@@ -50,6 +57,7 @@ import torch
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.hf_directory import HFDirectory, check_tensor_shapes
+from meshy.dataplane.model_source import ModelSource, read_model
 from meshy.dataplane.weights import DISK, SHARED_MEMORY, Published, read_published, verify_published
 from meshy.infer.engine import (
     FINISH_ABORT,
@@ -214,7 +222,7 @@ class SGLangEngine(Engine):
 
     def __init__(
         self,
-        source: Published | str | os.PathLike,
+        source: ModelSource,
         *,
         version: int | None = None,
         device: str = "cuda",
@@ -241,17 +249,27 @@ class SGLangEngine(Engine):
                 "SGLangEngine on CPU: deterministic=True needs a GPU attention backend and SGLang's Triton "
                 "sampler; colocate=True needs SGLang's CUDA memory saver"
             )
+        in_memory = None  # (config, tensors) to load once SGLang runs
         if isinstance(source, Published):
             if source.format != DISK:
                 raise SchemaError(
                     f"SGLangEngine source: a {source.format} version cannot start an engine; start from a "
-                    f"{DISK} version or a directory, then update_weights"
+                    f"{DISK} version, a directory or (config, tensors), then update_weights"
                 )
             directory, self.config, self._shapes = verify_published(source)
+            model_path = directory.path
             version = source.version if version is None else version
+        elif isinstance(source, tuple):
+            self.config, tensors = read_model(source)
+            self._shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+            in_memory = tensors
+            model_path = Path(tempfile.mkdtemp(prefix="meshy-sglang-start-"))
+            (model_path / "config.json").write_text(json.dumps(self.config))
+            version = 0 if version is None else version
         else:
             directory = HFDirectory.open(source)
             self.config, self._shapes = directory.config(), directory.shapes()
+            model_path = directory.path
             version = 0 if version is None else version
         self.vocab_size = int(self.config["vocab_size"])
         self.max_len = max_len
@@ -266,7 +284,7 @@ class SGLangEngine(Engine):
 
         sglang = _import_sglang(device)
         args = {
-            "model_path": str(directory.path),
+            "model_path": str(model_path),
             "device": device,
             "dtype": dtype,
             "context_length": max_len + _CONTEXT_SLACK,
@@ -282,7 +300,13 @@ class SGLangEngine(Engine):
             args["max_running_requests"] = max_running
         if device == "cpu":
             args["attention_backend"] = "torch_native"
-        self._sglang = sglang.Engine(**{**args, **server_args})
+        if in_memory is not None:  # SGLang starts from config.json alone, its weights filled below
+            args["load_format"] = "dummy"
+        try:
+            self._sglang = sglang.Engine(**{**args, **server_args})
+        finally:
+            if in_memory is not None:
+                shutil.rmtree(model_path, ignore_errors=True)
         # SGLang's own shutdown kills every child of this process, not only its own: ours kills its own.
         atexit.unregister(self._sglang.shutdown)
         atexit.register(self._stop_sglang_processes)
@@ -301,6 +325,9 @@ class SGLangEngine(Engine):
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         asyncio.run_coroutine_threadsafe(self._start_receiving(), self._loop.loop).result()
+        if in_memory is not None:
+            loading = self._update_from_tensors_on_loop(version, in_memory)
+            asyncio.run_coroutine_threadsafe(loading, self._loop.loop).result()
 
     @property
     def weight_version(self) -> int:
@@ -560,7 +587,10 @@ class SGLangEngine(Engine):
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         async with self._held_for_update():
-            request = UpdateWeightFromDiskReqInput(model_path=str(directory), weight_version=str(version))
+            # load_format named: an engine started from tensors in memory has SGLang's "dummy" as its own
+            request = UpdateWeightFromDiskReqInput(
+                model_path=str(directory), load_format="auto", weight_version=str(version)
+            )
             success, message, _ = await self._tokenizer_manager.update_weights_from_disk(request, None)
             if not success:
                 raise SGLangError(f"weights v{version} from {directory}: {message}")

@@ -347,12 +347,7 @@ class Recipe:
 
     def _check_collective(self) -> None:
         """The broadcast needs every engine running and joining each version as it is announced: engines
-        that hand their devices to the trainer in turn cannot, and SGLang's update group is not wired."""
-        if self.sampling.engine != "torch":
-            raise SchemaError(
-                f'publish: "collective" reaches the pure-torch engine only (sampling.engine = "torch"); '
-                f'got sampling.engine = "{self.sampling.engine}": use publish = "disk" or "shared-memory"'
-            )
+        that hand their devices to the trainer in turn cannot."""
         for ring in self.colocate:
             if "training" in ring and "inference" in ring:
                 raise SchemaError(
