@@ -1,12 +1,16 @@
 """The inference, teacher and reference services against a live data plane, with the pure-torch engine."""
 
 import asyncio
+import json
+import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from meshy.dataplane import rollout as cols
-from meshy.dataplane.weights import Published
+from meshy.dataplane.weight_sync import WeightSyncGroup
+from meshy.dataplane.weights import Published, resync_stream
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
 from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
 from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
@@ -14,7 +18,7 @@ from meshy.infer.torch_engine import TorchEngine
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.losses import kl_to_reference
 from meshy.train.parallel import ParallelConfig, build_model
-from meshy.train.publish import DirectoryPublisher
+from meshy.train.publish import CollectivePublisher, DirectoryPublisher
 from tests.infer.test_torch_engine import ARCH, sharp_weights
 
 CHECK = [cols.RESPONSE_IDS, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.FINISH_REASON, cols.TRUNCATED, cols.ERROR]
@@ -157,6 +161,56 @@ def test_prompts_written_after_a_version_was_announced_are_generated_by_that_ver
     tokens = batch.columns[cols.TOKEN_VERSIONS]
     generated_by = {row: set(v.tolist()) for row, v in zip(batch.row_ids, tokens, strict=True)}
     assert generated_by == {row: {versions[row // per_version]} for row in range(len(versions) * per_version)}
+
+
+def test_an_engine_that_cannot_rebuild_a_broadcast_delta_asks_for_a_whole_version_and_gets_it(client, unique):
+    """publish = "collective" with delta: v2 arrives as a delta on a base the engine does not hold (as if
+    v1 had not arrived intact); the engine keeps serving v1 and asks on the resync stream; the publisher's
+    next version is whole, though its schedule (a whole one every 100th) would send a delta."""
+    name, stream = table(client, unique), unique("weights")
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=3)
+    store, groups = dist.HashStore(), {}
+    joining = threading.Thread(target=lambda: groups.update(publisher=WeightSyncGroup(store, 0, 2, timeout_s=60)))
+    joining.start()
+    engine_group = WeightSyncGroup(store, 1, 2, timeout_s=60)
+    joining.join()
+    publisher = CollectivePublisher(
+        groups["publisher"], ARCH, client, dtype="float32", stream=stream, delta=True, full_every=100
+    )
+    config = InferenceServiceConfig(table=name, max_new_tokens=2, context_length=64, weights_stream=stream, seed=1)
+    e = engine(version=0)
+    service = InferenceService(client, e, config, weight_sync=engine_group)
+    resync = client.reader(resync_stream(stream), "test", start=1)
+    announced = client.reader(stream, "test", start=1)
+
+    async def loaded(version: int) -> None:  # received, verified and loaded
+        while e.weight_version != version:
+            await asyncio.sleep(0.01)
+
+    async def serve():
+        task = asyncio.create_task(service.run(max_rows=1))
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(1e-3)
+            if version == 2:
+                engine_group._base_version = None  # the base v1 is gone: v2's delta cannot be rebuilt
+            await asyncio.to_thread(publisher.publish, model, version)  # returns once the engine has it
+            if version == 2:
+                asked = await asyncio.to_thread(resync.read, 16, 30)
+            else:
+                await asyncio.wait_for(loaded(version), 30)
+        client.put(name, [0], {cols.PROMPT_IDS: [torch.tensor([5, 6, 7, 8])]})
+        stats = await asyncio.wait_for(task, 60)
+        await e.close()
+        return stats, asked
+
+    stats, asked = asyncio.run(serve())
+    assert [m.payload["version"] for m in asked] == [2] and "a delta on v1" in asked[0].payload["error"]
+    assert asked[0].payload["engine"] == client.consumer_id
+    assert stats.versions == [1, 3] and stats.failed_loads == 1
+    kinds = [("delta" in json.loads(m.payload["location"])) for m in announced.read(16)]
+    assert kinds == [False, True, False]
 
 
 def test_in_waves_the_same_rows_generate_the_same_tokens_and_logprobs_bit_for_bit(client, unique):

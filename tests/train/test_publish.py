@@ -4,6 +4,7 @@ import re
 import threading
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,6 +176,10 @@ class Announcements:
     def append(self, stream: str, payload: dict) -> int:
         self.messages.put(payload)
         return 0
+
+    def reader(self, stream: str, name: str, start: str) -> SimpleNamespace:
+        """The resync stream: no engine asks for a whole version here (tests/infer/test_services does)."""
+        return SimpleNamespace(read=lambda max_n: [])
 
 
 def rl_step(model: torch.nn.Module, step: int) -> None:

@@ -32,6 +32,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 _BUCKET_DTYPES = {**DTYPES, "int32": torch.int32}  # a delta's indices travel in buckets too
 
 
+def resync_stream(weights_stream: str) -> str:
+    """Where an engine that could not rebuild a broadcast version (a delta on a base it does not hold, or a
+    checksum mismatch) asks for the next version whole; the publisher reads it before each version."""
+    return f"{weights_stream}-resync"
+
+
 class CorruptWeights(DataPlaneError):
     """Published weights whose bytes do not match the checksum they were announced with."""
 

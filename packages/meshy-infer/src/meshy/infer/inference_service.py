@@ -33,7 +33,7 @@ from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weight_sync import WeightSyncGroup
-from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, CorruptWeights, Published
+from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, CorruptWeights, Published, resync_stream
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, Engine, SamplingParams, WeightsSource
 
 log = logging.getLogger(__name__)
@@ -327,7 +327,9 @@ class InferenceService:
     async def _receive(self, announced: list[Published]) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Join the broadcast of every announced version not joined yet, in order (the publisher sends each
         once and waits for every engine, so none may be skipped); the newest one, if it was received
-        intact (its tensors are valid until the next receive)."""
+        intact (its tensors are valid until the next receive). A version that cannot be rebuilt asks the
+        publisher for the next one whole (resync_stream), so a missed delta costs a version or two, not
+        the versions until the next scheduled whole one."""
         if self.weight_sync is None:
             raise SchemaError(
                 f"weights v{announced[-1].version} are broadcast on the weight-sync group, "
@@ -343,6 +345,8 @@ class InferenceService:
             except CorruptWeights as e:
                 self._not_loaded(published.version, e)
                 newest = None  # received into the same buffers: an earlier version's tensors are gone too
+                request = {"engine": self.client.consumer_id, "version": published.version, "error": str(e)}
+                await asyncio.to_thread(self.client.append, resync_stream(self.config.weights_stream), request)
                 continue
             newest = (published.version, tensors)
         return newest

@@ -10,6 +10,7 @@ defines the message and the verified reader).
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -36,9 +37,12 @@ from meshy.dataplane.weights import (
     combine_digests,
     digest_later,
     place_tensor,
+    resync_stream,
     unpack_buckets,
 )
 from meshy.train.models import DecoderArch
+
+log = logging.getLogger(__name__)
 
 
 def _is_writer() -> bool:
@@ -246,9 +250,9 @@ class CollectivePublisher:
     touches disk. Rank 0 plans the buckets once and converts every version straight into the same
     buffers, hashing each tensor on a helper thread meanwhile.
 
-    delta: send what changed since the previous version (meshy.dataplane.weight_delta), every
-    `full_every`-th version whole, so an engine that could not apply a delta is back on track by then;
-    rank 0 then keeps two sets of buffers, this version's and the previous one's."""
+    delta: send what changed since the previous version (meshy.dataplane.weight_delta), a whole version
+    every `full_every`-th one and whenever an engine asked for one on the resync stream (it could not
+    rebuild a delta); rank 0 then keeps two sets of buffers, this version's and the previous one's."""
 
     def __init__(
         self,
@@ -281,6 +285,9 @@ class CollectivePublisher:
         self._previous: dict[str, torch.Tensor] | None = None  # the previous version's buffers (delta)
         self._previous_version: int | None = None
         self._since_full = 0
+        self._resync = None  # engines' requests for a whole version (delta only; rank 0 only)
+        if delta and client is not None and _is_writer():
+            self._resync = client.reader(resync_stream(stream), "collective-publisher", start="latest")
 
     def publish(self, model: torch.nn.Module, version: int) -> Published | None:
         """Every rank calls this (the gather is a collective); rank 0 announces, then broadcasts."""
@@ -294,7 +301,7 @@ class CollectivePublisher:
         buffers = self._free.pop() if self._free else self._layout.allocate()
         checksum = pack_version(self._layout, buffers, tensors, f"collective publishing v{version}")
         layout, sent, delta = self._layout, buffers, None
-        if self.delta and self._previous is not None and self._since_full < self.full_every - 1:
+        if self.delta and self._previous is not None and self._since_full < self.full_every - 1 and not self._asked():
             views = unpack_buckets(self._layout.manifest, buffers, copy=False)
             previous = unpack_buckets(self._layout.manifest, self._previous, copy=False)
             segments, delta = weight_delta.encode(views, previous)
@@ -319,6 +326,16 @@ class CollectivePublisher:
         else:
             self._free.append(buffers)
         return published
+
+    def _asked(self) -> bool:
+        """Whether an engine asked for a whole version since the last one (every request is read)."""
+        if self._resync is None:
+            return False
+        asked = self._resync.read(max_n=4096)
+        for message in asked:
+            payload = message.payload
+            log.warning("weights: %s asked for a whole version (%s)", payload["engine"], payload["error"])
+        return bool(asked)
 
 
 class KeepingPublisher:
