@@ -22,6 +22,8 @@ from meshy.train.publish import (
     DirectoryPublisher,
     KeepingPublisher,
     SharedMemoryPublisher,
+    full_hf_tensors,
+    hf_specs,
     hf_tensors,
 )
 
@@ -145,6 +147,16 @@ def test_every_nth_version_is_kept_as_an_hf_directory_whatever_the_transport(tmp
         inner.close()
     with pytest.raises(SchemaError, match="hf_every: expected versions >= 1 between kept versions, got 0"):
         KeepingPublisher(inner, 0, tmp_path / "kept", arch, "bfloat16")
+
+
+@pytest.mark.parametrize("model_name", ["qwen3-tiny", "qwen3-tiny-moe", "minicpm5-tiny"])
+def test_the_buckets_are_planned_from_shapes_alone_as_the_gathered_tensors_come(model_name):
+    """Collective and shared-memory publishing lay a version out before gathering it: the names and shapes
+    the adapter gives for meta tensors must be those of the gathered tensors, in order (MoE experts split)."""
+    arch = get_model(model_name)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
+    gathered = [(name, torch.bfloat16, tuple(t.shape)) for name, t in full_hf_tensors(model, arch)]
+    assert hf_specs(model, arch, torch.bfloat16) == gathered
 
 
 def test_meta_instantiation_gives_the_published_parameter_counts():
