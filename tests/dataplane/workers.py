@@ -113,6 +113,7 @@ def weight_sync_member(
 
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=60))
     group = WeightSyncGroup(store, rank, size, timeout_s=60)
+    store.set(f"connected/{rank}", "1")  # this member's connections to every other are up
     if rank == 0:
         tensors = sync_tensors()
         layout = BucketLayout.plan([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1000)
@@ -131,7 +132,8 @@ def weight_sync_member(
             return
         Path(out).write_text(json.dumps({"buckets": len(buckets)}))
         return
-    if rank == quitter:
+    if rank == quitter:  # dies once every member is connected: mid-broadcast, not while connecting
+        store.wait([f"connected/{r}" for r in range(size)], timedelta(seconds=60))
         Path(out).write_text("{}")
         return
     published = Published.from_message(announced.get(timeout=60))

@@ -58,9 +58,10 @@ class WeightSyncGroup:
         prefixed = dist.PrefixStore(STORE_PREFIX, store)
         try:
             self._group = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
-        except RuntimeError as e:  # the store's wait for the other members timed out
+        except RuntimeError as e:  # a member did not join in time, or died while the members connected
             raise WeightSyncError(
-                f"weight-sync group rank {rank} of {size}: not every member joined within {timeout_s:.0f} s: {e}"
+                f"weight-sync group rank {rank} of {size}: could not connect to every member (not every member "
+                f"joined within {timeout_s:.0f} s, or one died meanwhile): {e}"
             ) from None
 
     def send(self, published: Published, buffers: Mapping[str, torch.Tensor]) -> None:
