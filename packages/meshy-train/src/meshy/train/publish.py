@@ -301,7 +301,8 @@ class CollectivePublisher:
         buffers = self._free.pop() if self._free else self._layout.allocate()
         checksum = pack_version(self._layout, buffers, tensors, f"collective publishing v{version}")
         layout, sent, delta = self._layout, buffers, None
-        if self.delta and self._previous is not None and self._since_full < self.full_every - 1 and not self._asked():
+        asked = self._asked()  # read every version, so a request is answered once, not again after a whole one
+        if self.delta and self._previous is not None and self._since_full < self.full_every - 1 and not asked:
             views = unpack_buckets(self._layout.manifest, buffers, copy=False)
             previous = unpack_buckets(self._layout.manifest, self._previous, copy=False)
             segments, delta = weight_delta.encode(views, previous)
