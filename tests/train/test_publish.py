@@ -10,10 +10,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshy.dataplane import SchemaError
+from meshy.dataplane import SchemaError, weights
 from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.weight_sync import WeightSyncGroup
-from meshy.dataplane.weights import DISK, SHARED_MEMORY, CorruptWeights, Published, read_published
+from meshy.dataplane.weights import (
+    DISK,
+    SHARED_MEMORY,
+    BucketLayout,
+    CorruptWeights,
+    Published,
+    read_published,
+    tensors_checksum,
+    unpack_buckets,
+)
 from meshy.train.logprobs import forward_logits
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, load_weights
@@ -25,6 +34,7 @@ from meshy.train.publish import (
     full_hf_tensors,
     hf_specs,
     hf_tensors,
+    pack_version,
 )
 
 
@@ -157,6 +167,26 @@ def test_the_buckets_are_planned_from_shapes_alone_as_the_gathered_tensors_come(
     model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
     gathered = [(name, torch.bfloat16, tuple(t.shape)) for name, t in full_hf_tensors(model, arch)]
     assert hf_specs(model, arch, torch.bfloat16) == gathered
+
+
+def test_a_packed_version_holds_and_hashes_the_converted_tensors_chunk_by_chunk(monkeypatch):
+    """Packing converts and hashes each tensor in chunks on two threads: the buckets and the checksum must
+    be those of the whole tensors converted at once, for tensors of one chunk, of many, and of none."""
+    monkeypatch.setattr(weights, "_CHUNK_BYTES", 1000)  # the tiny model's tensors span up to ~100 chunks
+    arch = get_model("qwen3-tiny")
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
+    extra = [("transposed", torch.arange(12.0).view(3, 4).t()), ("empty", torch.zeros(0, 5))]
+    expected = {n: t.to(torch.bfloat16) for n, t in [*full_hf_tensors(model, arch), *extra]}
+    layout = BucketLayout.plan([(n, t.dtype, tuple(t.shape)) for n, t in expected.items()], 50_000)
+    buffers = layout.allocate()
+    checksum = pack_version(layout, buffers, iter([*full_hf_tensors(model, arch), *extra]), "test")
+    assert checksum == tensors_checksum(expected)
+    packed = unpack_buckets(layout.manifest, buffers)
+    assert all(torch.equal(packed[n], t) for n, t in expected.items())
+    with pytest.raises(SchemaError, match=r"'stray': shape \(2,\) is not in the buckets' layout \(absent\)"):
+        pack_version(layout, buffers, iter([*full_hf_tensors(model, arch), ("stray", torch.ones(2))]), "test")
+    with pytest.raises(SchemaError, match="test: the model lacks tensors of the layout: \\['empty', 'transposed'\\]"):
+        pack_version(layout, buffers, full_hf_tensors(model, arch), "test")
 
 
 def test_meta_instantiation_gives_the_published_parameter_counts():

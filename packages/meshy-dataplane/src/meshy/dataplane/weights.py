@@ -69,9 +69,13 @@ class Published:
             raise SchemaError(f"weights message: expected the fields of Published, got {sorted(message)}") from e
 
 
+def _digest_of_header(tensor: torch.Tensor) -> "xxhash.xxh3_128":
+    return xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+
+
 def tensor_digest(tensor: torch.Tensor) -> bytes:
     """Digest of one tensor's dtype, shape and bytes."""
-    digest = xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    digest = _digest_of_header(tensor)
     digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.digest()
 
@@ -203,20 +207,40 @@ class BucketLayout:
         """Copy `tensors` into their places in `buffers` (a tensor not in the layout is an error)."""
         views = unpack_buckets(self.manifest, buffers, copy=False)
         for name, tensor in tensors:
-            place_tensor(views, name, tensor)
+            _view_for(views, name, tensor).copy_(_on_host_device(tensor, views[name]))
 
 
-def place_tensor(views: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """Copy `tensor` into its view in a bucket, converted to the view's dtype (on its own device first, so
-    a GPU tensor crosses to the host already converted); the view."""
+def _view_for(views: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
     view = views.get(name)
     if view is None or view.shape != tensor.shape:
         raise SchemaError(
             f"weights tensor {name!r}: shape {tuple(tensor.shape)} is not in the buckets' layout "
             f"({'absent' if view is None else tuple(view.shape)})"
         )
-    view.copy_(tensor if tensor.device == view.device else tensor.to(view.dtype))
     return view
+
+
+def _on_host_device(tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """`tensor` as it is copied into `view`: converted on its own device first when it lives elsewhere, so
+    a GPU tensor crosses to the host already converted."""
+    return tensor if tensor.device == view.device else tensor.to(view.dtype)
+
+
+_CHUNK_BYTES = 1 << 19  # converted, then hashed while still in the CPU's cache
+
+
+def place_and_digest(views: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor) -> bytes:
+    """Copy `tensor` into its view in a bucket, converted to the view's dtype, chunk by chunk, hashing each
+    chunk while it is still in cache (hashing it from memory afterwards costs another full read); the
+    view's tensor_digest. A tensor not in the layout is an error."""
+    view = _view_for(views, name, tensor)
+    flat_view, flat_source = view.view(-1), _on_host_device(tensor, view).reshape(-1)
+    digest, step = _digest_of_header(view), max(1, _CHUNK_BYTES // view.element_size())
+    for start in range(0, flat_view.numel(), step):
+        chunk = flat_view[start : start + step]
+        chunk.copy_(flat_source[start : start + step])
+        digest.update(chunk.view(torch.uint8).numpy())
+    return digest.digest()
 
 
 def unpack_buckets(manifest: list, buffers: Mapping[str, torch.Tensor], copy: bool = True) -> dict[str, torch.Tensor]:

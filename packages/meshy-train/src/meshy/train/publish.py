@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from meshy.dataplane.weights import (
     TensorSpec,
     combine_digests,
     digest_later,
-    place_tensor,
+    place_and_digest,
     resync_stream,
     unpack_buckets,
 )
@@ -71,16 +72,33 @@ def hf_specs(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) -> l
     return [(name, dtype, tuple(t.shape)) for name, t in arch.state_dict_adapter().to_hf(shapes).items()]
 
 
+# Packing threads: each converts and hashes whole tensors (torch and xxhash release the GIL); each holds
+# the gathered tensor it packs, so at most this many are held at once. More do not help where memory
+# bandwidth bounds the copy (2 cores: 0.25 s for qwen3-0.6b in bf16, against 0.28 s with one).
+_PACK_THREADS = 2
+_packers = ThreadPoolExecutor(max_workers=_PACK_THREADS, thread_name_prefix="meshy-weights-pack")
+
+
 def pack_version(
     layout: BucketLayout, buffers: dict[str, torch.Tensor], tensors: Iterator[tuple[str, torch.Tensor]], what: str
 ) -> str:
-    """Convert `tensors` (full_hf_tensors) into their places in `buffers`, hashing each on the digest
-    thread while the next is copied; the version's checksum."""
+    """Convert `tensors` (full_hf_tensors) into their places in `buffers`, hashing each as it is copied,
+    on the packing threads while the next ones are gathered; the version's checksum."""
     views = unpack_buckets(layout.manifest, buffers, copy=False)
-    digests = {name: digest_later(place_tensor(views, name, tensor)) for name, tensor in tensors}
-    if digests.keys() != views.keys():
-        raise SchemaError(f"{what}: the model lacks tensors of the layout: {sorted(views.keys() - digests.keys())[:3]}")
-    return combine_digests({name: digest.result() for name, digest in digests.items()})
+    digests: dict[str, Future] = {}
+    in_flight: set[Future] = set()
+    try:
+        for name, tensor in tensors:
+            if len(in_flight) == _PACK_THREADS:
+                in_flight = wait(in_flight, return_when=FIRST_COMPLETED).not_done
+            digests[name] = _packers.submit(place_and_digest, views, name, tensor)
+            in_flight.add(digests[name])
+    finally:
+        wait(in_flight)  # no thread writes into the buffers once this returns or raises
+    done = {name: digest.result() for name, digest in digests.items()}  # raises what a packing thread raised
+    if done.keys() != views.keys():
+        raise SchemaError(f"{what}: the model lacks tensors of the layout: {sorted(views.keys() - done.keys())[:3]}")
+    return combine_digests(done)
 
 
 def _check_dtype(dtype: str) -> None:
