@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from meshy.dataplane import DataPlaneClient, SchemaError, weight_delta
+from meshy.dataplane import HOST, DataPlaneClient, SchemaError, weight_delta
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import (
     COLLECTIVE,
@@ -270,7 +270,8 @@ class CollectivePublisher:
 
     delta: send what changed since the previous version (meshy.dataplane.weight_delta), a whole version
     every `full_every`-th one and whenever an engine asked for one on the resync stream (it could not
-    rebuild a delta); rank 0 then keeps two sets of buffers, this version's and the previous one's."""
+    rebuild a delta). The buffers hold the previous version, and comparing each tensor with it advances
+    them to this one, so rank 0 still holds one copy of the model."""
 
     def __init__(
         self,
@@ -299,9 +300,8 @@ class CollectivePublisher:
         self.delta = delta
         self.full_every = full_every
         self._layout: BucketLayout | None = None
-        self._free: list[dict[str, torch.Tensor]] = []  # buffers to fill with the next version
-        self._previous: dict[str, torch.Tensor] | None = None  # the previous version's buffers (delta)
-        self._previous_version: int | None = None
+        self._buffers: dict[str, torch.Tensor] = {}  # the last version packed (rank 0)
+        self._held: int | None = None  # the version _buffers hold intact, the next delta's base
         self._since_full = 0
         self._resync = None  # engines' requests for a whole version (delta only; rank 0 only)
         if delta and client is not None and _is_writer():
@@ -316,19 +316,15 @@ class CollectivePublisher:
             return None
         if self._layout is None:
             self._layout = BucketLayout.plan(hf_specs(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
-        buffers = self._free.pop() if self._free else self._layout.allocate()
-        checksum = pack_version(self._layout, buffers, tensors, f"collective publishing v{version}")
-        layout, sent, delta = self._layout, buffers, None
+            self._buffers = self._layout.allocate()
         asked = self._asked()  # read every version, so a request is answered once, not again after a whole one
-        if self.delta and self._previous is not None and self._since_full < self.full_every - 1 and not asked:
-            views = unpack_buckets(self._layout.manifest, buffers, copy=False)
-            previous = unpack_buckets(self._layout.manifest, self._previous, copy=False)
-            segments, delta = weight_delta.encode(views, previous)
-            delta["base"] = self._previous_version
-            layout = BucketLayout.plan([(name, t.dtype, tuple(t.shape)) for name, t in segments], self.bucket_bytes)
-            sent = layout.allocate()
-            layout.pack(sent, segments)
-            del segments, previous, views
+        base, self._held = self._held, None  # the buffers change: they hold a version again once it is packed
+        if self.delta and base is not None and self._since_full < self.full_every - 1 and not asked:
+            layout, sent, checksum, delta = self._encode(tensors, base)
+        else:
+            layout, sent, delta = self._layout, self._buffers, None
+            checksum = pack_version(layout, sent, tensors, f"collective publishing v{version}")
+        self._held = version
         self._since_full = 0 if delta is None else self._since_full + 1
         meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
         if delta is not None:
@@ -338,13 +334,28 @@ class CollectivePublisher:
         if self.client is not None:
             self.client.append(self.stream, published.to_message())
         self.group.send(published, sent)
-        if self.delta:  # this version is the next one's base; the previous one's buffers are free
-            if self._previous is not None:
-                self._free.append(self._previous)
-            self._previous, self._previous_version = buffers, version
-        else:
-            self._free.append(buffers)
         return published
+
+    def _encode(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], base: int
+    ) -> tuple[BucketLayout, dict[str, torch.Tensor], str, dict]:
+        """(layout, buffers, checksum, delta description) of the delta from version `base`, which the
+        buffers hold, to `tensors`; the buffers hold `tensors` afterwards."""
+        dtype, digests = DTYPES[self.dtype], {}
+
+        def converted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in tensors:
+                tensor = tensor.to(dtype).to(HOST)  # converted where it lives (GPU: on device)
+                digests[name] = digest_later(tensor)
+                yield name, tensor
+
+        held = unpack_buckets(self._layout.manifest, self._buffers, copy=False)
+        segments, delta = weight_delta.encode(converted(), held)
+        delta["base"] = base
+        layout = BucketLayout.plan([(name, t.dtype, tuple(t.shape)) for name, t in segments], self.bucket_bytes)
+        sent = layout.allocate()
+        layout.pack(sent, segments)
+        return layout, sent, combine_digests({name: digest.result() for name, digest in digests.items()}), delta
 
     def _asked(self) -> bool:
         """Whether an engine asked for a whole version since the last one (every request is read)."""
