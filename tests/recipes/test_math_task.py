@@ -15,7 +15,7 @@ import pytest
 from meshy.dataplane import SchemaError
 from meshy.recipes.tasks import math_reward
 from meshy.recipes.tasks.arithmetic import Problem
-from meshy.recipes.tasks.chat_templates import Message, render, render_minicpm5, render_qwen3
+from meshy.recipes.tasks.chat_templates import Message, observation, render, render_minicpm5, render_qwen3
 from meshy.recipes.tasks.math import BOXED_INSTRUCTION, problems
 from meshy.recipes.tasks.math_data import Record, generated_records, load_records
 from meshy.recipes.tasks.math_reward import (
@@ -245,7 +245,59 @@ def test_template_names_and_roles_are_checked():
     with pytest.raises(SchemaError, match=r"template: unknown chat template 'llama'; expected one of \('qwen3'"):
         render("llama", [Message("user", "Q")])
     with pytest.raises(SchemaError, match="Message.role: expected"):
-        Message("tool", "x")
+        Message("robot", "x")
+    for template in ("minicpm5", "plain"):
+        with pytest.raises(SchemaError, match=f"template '{template}': renders no tools or tool messages"):
+            render(template, [Message("user", "Q"), Message("tool", "42")])
+        with pytest.raises(SchemaError, match=f"template '{template}': renders no tools"):
+            observation(template, ["42"])
+    with pytest.raises(SchemaError, match="observation results: expected at least one tool result"):
+        observation("qwen3", [])
+
+
+CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {}}}
+CALC_JSON = '{"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {}}}'
+TOOLS_SYSTEM = (  # Qwen3's tokenizer_config.json template, its `tools` branch, written out by hand
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + CALC_JSON + "\n</tools>"
+    "\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call>"
+    ' XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
+
+
+def test_qwen3_lists_tools_in_the_system_turn_and_groups_tool_results_in_one_user_turn():
+    call = '<tool_call>\n{"name": "calc", "arguments": {"e": "6*7"}}\n</tool_call>'
+    messages = [
+        Message("system", "Be brief."),
+        Message("user", "6*7?"),
+        Message("assistant", "<think>\nuse the tool\n</think>\n\n" + call),
+        Message("tool", "42"),
+        Message("tool", "ok"),
+        Message("assistant", "42"),
+    ]
+    assert render_qwen3(messages, add_generation_prompt=False, tools=[CALC]) == (
+        "<|im_start|>system\nBe brief.\n\n" + TOOLS_SYSTEM + "<|im_start|>user\n6*7?<|im_end|>\n"
+        # both assistant turns come after the last query (a turn of tool responses is not one)
+        "<|im_start|>assistant\n<think>\nuse the tool\n</think>\n\n" + call + "<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n42<|im_end|>\n"
+    )
+    assert render("qwen3", messages[1:2], tools=[CALC]).startswith("<|im_start|>system\n" + TOOLS_SYSTEM)
+
+
+def test_an_observation_is_what_the_template_writes_between_two_assistant_turns():
+    results = ["42", "ok"]
+    expected = (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\nok\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert observation("qwen3", results) == expected
+    assert observation("qwen3", results, enable_thinking=False) == expected + "<think>\n\n</think>\n\n"
+    turn = [Message("user", "Q"), Message("assistant", "<think>\nr\n</think>\n\nA")]
+    whole = render("qwen3", [*turn, *(Message("tool", r) for r in results)])
+    assert whole == render("qwen3", turn, add_generation_prompt=False).removesuffix("\n") + observation(
+        "qwen3", results
+    )
 
 
 # ---- the task entry point -----------------------------------------------------------------------
