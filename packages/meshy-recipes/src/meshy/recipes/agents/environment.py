@@ -1,0 +1,62 @@
+"""What a multi-turn task plugs in: an environment that opens a trajectory and answers each policy turn.
+
+`reset(problem)` gives the conversation the policy starts from (and the tools it may call); `step(text)`
+takes the text of one policy turn and gives the tool results to show next, a reward, and whether the
+trajectory is done. ToolEnvironment is the usual one: a turn that calls tools gets their results (every
+call of a turn runs concurrently), a turn that calls none is the final answer and is scored.
+"""
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from meshy.recipes.agents.tool_calls import parse_tool_calls
+from meshy.recipes.agents.tools import ToolBox, ToolResult
+from meshy.recipes.tasks.chat_templates import Message
+
+
+@dataclass(frozen=True)
+class Step:
+    results: list[str]  # the tool results to show the policy next (none when done)
+    reward: float
+    done: bool
+    calls: list[ToolResult] = field(default_factory=list)  # what each tool call did, for the run's counts
+
+
+class Environment(Protocol):
+    def tool_schemas(self) -> list[dict]: ...
+
+    async def reset(self, problem: Any) -> list[Message]: ...
+
+    async def step(self, action: str) -> Step: ...
+
+
+class ToolEnvironment:
+    """Poses `prompt(problem)` as the user turn (after `system`, if given) and scores the final answer
+    with `score(answer text, problem)`. A turn with no tool call is the final answer."""
+
+    def __init__(
+        self,
+        tools: ToolBox,
+        prompt: Callable[[Any], str],
+        score: Callable[[str, Any], float],
+        system: str | None = None,
+    ) -> None:
+        self.tools, self.prompt, self.score, self.system = tools, prompt, score, system
+        self._problem: Any = None
+
+    def tool_schemas(self) -> list[dict]:
+        return self.tools.schemas()
+
+    async def reset(self, problem: Any) -> list[Message]:
+        self._problem = problem
+        system: Sequence[Message] = [Message("system", self.system)] if self.system is not None else []
+        return [*system, Message("user", self.prompt(problem))]
+
+    async def step(self, action: str) -> Step:
+        calls = parse_tool_calls(action)
+        if not calls:
+            return Step([], float(self.score(action, self._problem)), True)
+        done = await asyncio.gather(*(self.tools.call(call) for call in calls))
+        return Step([result.content for result in done], 0.0, False, list(done))

@@ -1,0 +1,128 @@
+"""One multi-turn trajectory, token-exact: the prompt, then the policy's tokens and the observations' tokens
+in turn, as one sequence.
+
+Policy tokens are exactly the ids the engine generated (never decoded and encoded again; their text is
+decoded only to find tool calls); observation tokens are the ids of the text the chat template writes
+between two assistant turns (chat_templates.observation). `policy_mask` marks the policy's tokens; each
+has the logprob and weights version the engine reported (observation tokens: 0.0 and NO_VERSION), so a
+trajectory that spans a weight update records which version produced each token.
+
+A trajectory ends when the environment says it is done, or at a limit, and is kept either way with its
+finish reason: MAX_TURNS (the policy took `max_turns` turns), MAX_TOKENS (the sequence after the prompt
+reached `max_tokens`), DEADLINE (the whole trajectory took `deadline_s`), ABORTED (the engine aborted a
+turn: it was closed).
+"""
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from meshy.dataplane import SchemaError
+from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, Generation
+from meshy.recipes.agents.environment import Environment
+from meshy.recipes.tasks.chat_templates import observation, render
+
+DONE, MAX_TURNS, MAX_TOKENS, DEADLINE, ABORTED = "done", "max-turns", "max-tokens", "deadline", "aborted"
+NO_VERSION = -1  # the weights version of an observation token (no policy produced it)
+
+# (input ids, max new tokens) -> the engine's generation of one policy turn
+Generate = Callable[[list[int], int], Awaitable[Generation]]
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...  # no special tokens added: ids of exactly `text`
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int
+    max_tokens: int  # policy and observation tokens after the prompt
+    deadline_s: float
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_tokens < 1 or not self.deadline_s > 0:
+            raise SchemaError(
+                f"agent limits: expected max_turns >= 1, max_tokens >= 1 and deadline_s > 0, got "
+                f"{self.max_turns!r}, {self.max_tokens!r}, {self.deadline_s!r}"
+            )
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)  # policy and observation tokens, in order
+    policy_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    finish_reason: str = ""
+    turns: int = 0  # policy turns taken
+    tool_calls: Counter = field(default_factory=Counter)  # by tool name ("" for malformed calls)
+    tool_errors: Counter = field(default_factory=Counter)  # by kind (meshy.recipes.agents.tools)
+    tool_seconds: list[float] = field(default_factory=list)
+
+    def _append(self, ids: list[int], policy: bool, logprobs: list[float], versions: list[int]) -> None:
+        self.response_ids += ids
+        self.policy_mask += [policy] * len(ids)
+        self.logprobs += logprobs
+        self.token_versions += versions
+
+
+async def run_trajectory(
+    env: Environment,
+    problem: Any,
+    generate: Generate,
+    tokenizer: Tokenizer,
+    template: str,
+    limits: AgentLimits,
+    enable_thinking: bool | None = None,
+) -> Trajectory:
+    """Play one trajectory of `env` on `problem` with the policy behind `generate`."""
+    messages = await env.reset(problem)
+    prompt = render(template, messages, tools=env.tool_schemas(), enable_thinking=enable_thinking)
+    trajectory = Trajectory(tokenizer.encode(prompt))
+    try:
+        async with asyncio.timeout(limits.deadline_s):
+            reason = await _turns(env, generate, tokenizer, template, limits, enable_thinking, trajectory)
+        trajectory.finish_reason = reason
+    except TimeoutError:
+        trajectory.finish_reason = DEADLINE
+    return trajectory
+
+
+async def _turns(
+    env: Environment,
+    generate: Generate,
+    tokenizer: Tokenizer,
+    template: str,
+    limits: AgentLimits,
+    enable_thinking: bool | None,
+    trajectory: Trajectory,
+) -> str:
+    """Policy turn, then observation, until the environment is done or a limit is reached; the reason."""
+    while True:
+        budget = limits.max_tokens - len(trajectory.response_ids)
+        turn = await generate(trajectory.prompt_ids + trajectory.response_ids, budget)
+        trajectory._append(turn.output_ids, True, turn.logprobs, turn.token_versions)
+        trajectory.turns += 1
+        if turn.finish_reason != FINISH_STOP:  # the turn is not finished: cut by the token budget, or aborted
+            return MAX_TOKENS if turn.finish_reason == FINISH_LENGTH else ABORTED
+        step = await env.step(tokenizer.decode(turn.output_ids))
+        trajectory.reward += step.reward
+        for call in step.calls:
+            trajectory.tool_calls[call.name] += 1
+            trajectory.tool_seconds.append(call.seconds)
+            if call.error is not None:
+                trajectory.tool_errors[call.error] += 1
+        if step.done:
+            return DONE
+        if trajectory.turns >= limits.max_turns:
+            return MAX_TURNS
+        shown = tokenizer.encode(observation(template, step.results, enable_thinking=enable_thinking))
+        if len(trajectory.response_ids) + len(shown) >= limits.max_tokens:  # no room for another turn
+            return MAX_TOKENS
+        trajectory._append(shown, False, [0.0] * len(shown), [NO_VERSION] * len(shown))

@@ -1,0 +1,215 @@
+"""Multi-turn trajectories: one token sequence of the engine's own ids and the template's observation ids."""
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+
+from meshy.dataplane import SchemaError
+from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from meshy.infer.torch_engine import TorchEngine
+from meshy.recipes.agents.environment import Step, ToolEnvironment
+from meshy.recipes.agents.tools import MALFORMED, Tool, ToolBox
+from meshy.recipes.agents.trajectory import (
+    DEADLINE,
+    DONE,
+    MAX_TOKENS,
+    MAX_TURNS,
+    NO_VERSION,
+    AgentLimits,
+    run_trajectory,
+)
+from meshy.recipes.tasks.chat_templates import Message, observation, render
+from meshy.train.models import get_model
+from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.publish import hf_tensors
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+IM_END = 256 + SPECIALS.index("<|im_end|>")
+
+
+class ByteTokenizer:
+    """Bytes are ids 0-255, the chat template's markers 256 on: fits a tiny model's 512-token vocabulary."""
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        while text:
+            special = next((s for s in SPECIALS if text.startswith(s)), None)
+            if special:
+                ids.append(256 + SPECIALS.index(special))
+                text = text[len(special) :]
+            else:
+                ids += list(text[0].encode())
+                text = text[1:]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            if i < 256:
+                pending.append(i)
+                continue
+            out.append(pending.decode(errors="replace") + (SPECIALS[i - 256] if i - 256 < len(SPECIALS) else "?"))
+            pending = bytearray()
+        return "".join(out) + pending.decode(errors="replace")
+
+
+TOKENIZER = ByteTokenizer()
+
+
+def where(values: list, mask: list[bool], policy: bool = True) -> list:
+    """The entries of `values` at the policy's tokens (or, policy=False, at the observations' tokens)."""
+    return [value for value, is_policy in zip(values, mask, strict=True) if is_policy == policy]
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def calculator_env() -> ToolEnvironment:
+    tools = ToolBox([Tool("add", add, "Add two integers.", {"a": "integer", "b": "integer"})], timeout_s=5)
+    return ToolEnvironment(tools, prompt=lambda p: p["question"], score=lambda text, p: float(p["answer"] in text))
+
+
+class ScriptedPolicy:
+    """Answers each turn with the next scripted text (as its ids), recording what it was asked to continue."""
+
+    def __init__(self, turns: list[tuple[str, int, str]]):
+        self.turns = list(turns)  # (text, weights version, finish reason)
+        self.inputs: list[list[int]] = []
+        self.sent: list[Generation] = []
+
+    async def __call__(self, input_ids: list[int], max_new_tokens: int) -> Generation:
+        self.inputs.append(list(input_ids))
+        text, version, finish = self.turns.pop(0)
+        ids = TOKENIZER.encode(text)[:max_new_tokens]
+        logprobs = [-0.01 * (len(self.sent) + 1) * (k + 1) for k in range(len(ids))]
+        self.sent.append(Generation(f"t{len(self.sent)}", ids, logprobs, [version] * len(ids), finish))
+        return self.sent[-1]
+
+
+LIMITS = AgentLimits(max_turns=4, max_tokens=1000, deadline_s=30)
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call><|im_end|>'
+
+
+def test_the_trajectory_is_the_engine_s_ids_then_the_template_s_observation_ids_in_turn():
+    env, problem = calculator_env(), {"question": "12+30?", "answer": "42"}
+    policy = ScriptedPolicy([(CALL, 3, FINISH_STOP), ("It is 42.<|im_end|>", 4, FINISH_STOP)])
+    t = asyncio.run(run_trajectory(env, problem, policy, TOKENIZER, "qwen3", LIMITS))
+    tools = [env.tool_schemas()[0]]
+    assert t.prompt_ids == TOKENIZER.encode(render("qwen3", [Message("user", "12+30?")], tools=tools))
+    first, second = (g.output_ids for g in policy.sent)
+    shown = TOKENIZER.encode(observation("qwen3", ["42"]))
+    assert t.response_ids == first + shown + second
+    assert policy.inputs == [t.prompt_ids, t.prompt_ids + first + shown], "each turn continues the exact sequence"
+    assert t.policy_mask == [True] * len(first) + [False] * len(shown) + [True] * len(second)
+    assert t.logprobs == policy.sent[0].logprobs + [0.0] * len(shown) + policy.sent[1].logprobs
+    assert t.token_versions == [3] * len(first) + [NO_VERSION] * len(shown) + [4] * len(second)
+    assert (t.finish_reason, t.turns, t.reward) == (DONE, 2, 1.0)
+    assert t.tool_calls == {"add": 1} and not t.tool_errors and len(t.tool_seconds) == 1
+    assert (
+        TOKENIZER.decode(shown)
+        == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_a_malformed_call_is_answered_with_an_error_and_counted():
+    policy = ScriptedPolicy(
+        [("<tool_call>{oops}</tool_call><|im_end|>", 0, FINISH_STOP), ("42<|im_end|>", 0, FINISH_STOP)]
+    )
+    t = asyncio.run(
+        run_trajectory(calculator_env(), {"question": "?", "answer": "42"}, policy, TOKENIZER, "qwen3", LIMITS)
+    )
+    assert (t.finish_reason, t.reward) == (DONE, 1.0)
+    assert t.tool_calls == {"": 1} and t.tool_errors == {MALFORMED: 1}
+    shown = TOKENIZER.decode(where(t.response_ids, t.policy_mask, policy=False))
+    assert "<tool_response>\nerror: malformed tool call: not JSON: Expecting property name" in shown
+
+
+def test_each_limit_ends_the_trajectory_which_is_kept_with_its_reason():
+    problem = {"question": "?", "answer": "never"}
+    policy = ScriptedPolicy([(CALL, 0, FINISH_STOP)] * 3)
+    t = asyncio.run(run_trajectory(calculator_env(), problem, policy, TOKENIZER, "qwen3", AgentLimits(3, 1000, 30)))
+    assert (t.finish_reason, t.turns, t.tool_calls) == (MAX_TURNS, 3, {"add": 3})
+    assert t.policy_mask[-1], "the last turn's tokens are kept; no observation follows it"
+
+    cut = ScriptedPolicy([(CALL, 0, FINISH_LENGTH)])
+    t = asyncio.run(run_trajectory(calculator_env(), problem, cut, TOKENIZER, "qwen3", AgentLimits(3, 10, 30)))
+    assert (t.finish_reason, t.turns, len(t.response_ids)) == (MAX_TOKENS, 1, 10)
+
+    budget = len(TOKENIZER.encode(CALL)) + 5  # the call fits, its observation does not
+    full = ScriptedPolicy([(CALL, 0, FINISH_STOP)])
+    t = asyncio.run(run_trajectory(calculator_env(), problem, full, TOKENIZER, "qwen3", AgentLimits(3, budget, 30)))
+    assert (t.finish_reason, all(t.policy_mask)) == (MAX_TOKENS, True)
+
+    class Stuck(ScriptedPolicy):
+        async def __call__(self, input_ids, max_new_tokens):
+            if self.sent:
+                await asyncio.sleep(60)
+            return await super().__call__(input_ids, max_new_tokens)
+
+    stuck = Stuck([(CALL, 0, FINISH_STOP)])
+    start = time.monotonic()
+    t = asyncio.run(run_trajectory(calculator_env(), problem, stuck, TOKENIZER, "qwen3", AgentLimits(3, 1000, 0.5)))
+    assert time.monotonic() - start < 5
+    assert (t.finish_reason, t.turns) == (DEADLINE, 1)
+    assert len(t.response_ids) == len(t.policy_mask) == len(t.logprobs) == len(t.token_versions) > 0
+
+
+@pytest.mark.parametrize(("turns", "tokens", "deadline"), [(0, 10, 1.0), (1, 0, 1.0), (1, 10, 0)])
+def test_limits_that_cannot_be_met_are_refused(turns, tokens, deadline):
+    with pytest.raises(SchemaError, match="agent limits: expected max_turns >= 1, max_tokens >= 1 and deadline_s > 0"):
+        AgentLimits(turns, tokens, deadline)
+
+
+class Echo:
+    """An environment that answers every turn with "ok" until the trajectory hits a limit."""
+
+    def tool_schemas(self) -> list[dict]:
+        return []
+
+    async def reset(self, problem):
+        return [Message("user", problem)]
+
+    async def step(self, action: str) -> Step:
+        return Step(["ok"], 0.0, False)
+
+
+def test_a_real_engine_continues_the_exact_sequence_and_tokens_keep_the_version_that_made_them():
+    """TorchEngine as the policy (random weights; a turn stops at any byte token, so turns are short):
+    every turn's input is the sequence so far, its ids land unchanged, and after a weight update
+    between turns the next turn's tokens carry the new version."""
+    arch = get_model("qwen3-tiny")
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
+    engine = TorchEngine((arch.hf_config("float32"), dict(hf_tensors(model, arch, torch.float32))), max_len=512)
+    inputs, outputs = [], []
+
+    async def play():
+        async def generate(input_ids, max_new_tokens):
+            inputs.append(list(input_ids))
+            params = SamplingParams(max_new_tokens, seed=len(inputs), stop_token_ids=tuple(range(256)))
+            outputs.append(await engine.generate(f"r{len(inputs)}", input_ids, params))
+            if len(outputs) == 2:  # between the second and third turn
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01)
+                await engine.update_weights(1, dict(hf_tensors(model, arch, torch.float32)))
+            return outputs[-1]
+
+        t = await run_trajectory(Echo(), "hi", generate, TOKENIZER, "qwen3", AgentLimits(4, 400, 60))
+        await engine.close()
+        return t
+
+    t = asyncio.run(play())
+    assert t.finish_reason in (MAX_TURNS, MAX_TOKENS) and t.turns >= 3
+    assert where(t.response_ids, t.policy_mask) == [i for g in outputs for i in g.output_ids]
+    before, after = (sum(len(g.output_ids) for g in part) for part in (outputs[:2], outputs[2:]))
+    assert where(t.token_versions, t.policy_mask) == [0] * before + [1] * after
+    assert where(t.logprobs, t.policy_mask) == [lp for g in outputs for lp in g.logprobs]
+    for k, seen in enumerate(inputs):
+        produced = sum(len(g.output_ids) for g in outputs[:k])
+        observed = k * len(TOKENIZER.encode(observation("qwen3", ["ok"])))
+        assert seen == t.prompt_ids + t.response_ids[: produced + observed], k
+    assert json.dumps(t.token_versions)  # plain ints, ready for the data plane's columns
