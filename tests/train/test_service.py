@@ -69,6 +69,82 @@ def test_training_service_trains_whole_groups_acks_everything_and_publishes(clie
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "the step changed the weights"
 
 
+def put_trajectories(client, table: str, observation: dict, masks: list[list[bool]] | None) -> None:
+    """Two groups of two multi-turn rows: prompt, 2 policy tokens, 2 observation tokens, 2 policy tokens;
+    `observation` gives the observation tokens' logprob, version and advantage (masks: the policy masks,
+    None for a table without one)."""
+    g = torch.Generator().manual_seed(0)
+    for group in range(2):
+        ids = [2 * group, 2 * group + 1]
+        client.put(table, ids, {cols.PROMPT_IDS: [torch.tensor([1, 2, 3])] * 2}, group_ids=[group] * 2)
+        responses = [torch.randint(0, ARCH.vocab_size, (6,), generator=g) for _ in ids]
+        columns = {cols.RESPONSE_IDS: responses, cols.ROLLOUT_LOGPROBS: [], cols.TOKEN_VERSIONS: [], cols.ADVANTAGE: []}
+        for k in range(2):
+            policy_logprobs = -torch.rand(6, generator=g) - 0.5
+            at = torch.tensor([False, False, True, True, False, False])  # the observation's tokens
+            columns[cols.ROLLOUT_LOGPROBS].append(torch.where(at, observation["logprob"], policy_logprobs))
+            columns[cols.TOKEN_VERSIONS].append(torch.where(at, observation["version"], 0))
+            columns[cols.ADVANTAGE].append(torch.where(at, observation["advantage"], 1.0 - 2 * k))
+        if masks is not None:
+            columns[cols.POLICY_MASK] = [torch.tensor(masks[i]) for i in ids]
+        client.add_columns(table, ids, columns)
+
+
+@pytest.mark.parametrize("max_staleness", [None, 2])
+def test_only_the_policy_s_tokens_of_a_multi_turn_row_are_trained(client, unique, tmp_path, max_staleness):
+    """Whatever the observation tokens carry (logprob, version, advantage), the step is the same, bit for
+    bit; without the mask the same rows train other weights; observation tokens count towards neither
+    staleness nor the tokens trained."""
+    policy = [True, True, False, False, True, True]
+    runs = {
+        "masked": ({"logprob": 0.0, "version": -1, "advantage": 1.0}, [policy] * 4),
+        "masked, other observation values": ({"logprob": -7.0, "version": -100, "advantage": 50.0}, [policy] * 4),
+        "no mask": ({"logprob": 0.0, "version": 0, "advantage": 1.0}, None),
+    }
+    weights, records = {}, {}
+    for name, (observation, masks) in runs.items():
+        multi_turn = masks is not None
+        spec = cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,), multi_turn=multi_turn)
+        table = client.create_table(spec).name
+        put_trajectories(client, table, observation, masks)
+        model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+        config = TrainServiceConfig(
+            table=table, groups_per_rank=2, max_staleness=max_staleness, batch_timeout_s=5, policy_mask=multi_turn
+        )
+        trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+        service = TrainingService(client, trainer, DirectoryPublisher(tmp_path / name, ARCH, dtype="float32"), config)
+        records[name] = service.train_batch(service.wait_for_batch())
+        weights[name] = model.state_dict()
+    masked, other, unmasked = (weights[name] for name in runs)
+    assert all(torch.equal(masked[k], other[k]) for k in masked), "observation tokens changed the step"
+    assert any(not torch.equal(masked[k], unmasked[k]) for k in masked), "the mask changed nothing"
+    for name in list(runs)[:2]:
+        assert records[name]["rows_trained"] == 4 and records[name]["staleness_histogram"] == {"0": 16}, name
+        assert records[name]["tokens"] == 16, name
+    assert records["no mask"]["tokens"] == 24
+
+
+def test_a_multi_turn_row_without_policy_tokens_or_with_a_ragged_mask_is_dropped_with_its_reason(
+    client, unique, tmp_path
+):
+    spec = cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,), multi_turn=True)
+    table = client.create_table(spec).name
+    masks = [[False] * 6, [True] * 3, [True] * 6, [True] * 6]
+    put_trajectories(client, table, {"logprob": 0.0, "version": -1, "advantage": 1.0}, masks)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(table=table, groups_per_rank=2, batch_timeout_s=5, policy_mask=True)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+    service = TrainingService(
+        client, trainer, DirectoryPublisher(unique("/tmp/meshy-w"), ARCH, dtype="float32"), config
+    )
+    record = service.train_batch(service.wait_for_batch())
+    assert record["rows_trained"] == 2
+    assert sorted(d["reason"] for d in record["dropped"]) == [
+        "column policy_mask has 3 entries for 6 response tokens",
+        "no policy token: the response is observations only",
+    ]
+
+
 def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, unique, tmp_path):
     table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     put_groups(client, table, range(4), 2, ARCH.vocab_size)

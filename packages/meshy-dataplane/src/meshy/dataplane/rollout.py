@@ -14,14 +14,19 @@ and acks; rows are freed once every task that `retires` them acked them):
   teacher        prompt_ids, response_ids -> teacher_topk_ids, teacher_topk_logprobs  (distillation)
   reference      prompt_ids, response_ids -> ref_logprobs               (KL to the reference policy)
   train          prompt_ids, response_ids, rollout_logprobs, token_versions, advantage, whole groups
-                 (+ reward to report it, + the teacher's top-k, + ref_logprobs, + routed_experts)
-                                                                        retires rows
+                 (+ reward to report it, + the teacher's top-k, + ref_logprobs, + routed_experts,
+                 + policy_mask)                                         retires rows
 
 Per-token columns are aligned with response_ids. routed_experts [response tokens, layers, top_k] int16:
 entry i is the experts every MoE layer chose at the position whose logits gave response token i (the
 prompt's last position for token 0), the routing the trainer replays there. Only a table made for
 routing replay declares it: dense models, and runs that do not replay, carry no such column at all, so
 no row pays for it and no consumer has to tell an empty value from a missing one.
+
+policy_mask [response tokens] bool, in a table made for multi-turn trajectories only: a trajectory's
+response is the policy's tokens and the observations' tokens in turn (meshy.recipes.agents.trajectory),
+and the mask marks the policy's. Observation tokens carry 0.0 logprobs and version -1; nothing trains
+on them.
 """
 
 from collections.abc import Iterable
@@ -45,6 +50,7 @@ REF_LOGPROBS = "ref_logprobs"
 TEACHER_TOPK_IDS = "teacher_topk_ids"
 TEACHER_TOPK_LOGPROBS = "teacher_topk_logprobs"
 ROUTED_EXPERTS = "routed_experts"
+POLICY_MASK = "policy_mask"
 
 
 @dataclass(frozen=True)
@@ -88,12 +94,17 @@ def advantage_with(values: bool = False) -> Task:
 
 
 def train_with(
-    reward: bool = False, teacher: bool = False, reference: bool = False, routed_experts: bool = False
+    reward: bool = False,
+    teacher: bool = False,
+    reference: bool = False,
+    routed_experts: bool = False,
+    policy_mask: bool = False,
 ) -> Task:
     """TRAIN_TASK plus what the run's loss and reports need: the reward (reported), the teacher's top-k
-    (distillation), the reference's logprobs (KL), the engine's routing (replay)."""
+    (distillation), the reference's logprobs (KL), the engine's routing (replay), which tokens are the
+    policy's (multi-turn)."""
     extra = (REWARD,) * reward + TEACHER_TASK.writes * teacher + REFERENCE_TASK.writes * reference
-    return TRAIN_TASK.plus(reads=extra + (ROUTED_EXPERTS,) * routed_experts)
+    return TRAIN_TASK.plus(reads=extra + (ROUTED_EXPERTS,) * routed_experts + (POLICY_MASK,) * policy_mask)
 
 
 def unwritten(tasks: Iterable[Task]) -> list[tuple[Task, str]]:
@@ -111,8 +122,10 @@ def rollout_table(
     routed_experts: tuple[int, int] | None = None,
     tasks: Iterable[Task] = (),
     max_row_bytes: int = 64 << 20,
+    multi_turn: bool = False,
 ) -> TableSpec:
-    """tasks: the run's tasks; a row is freed once every one of them that `retires` rows acked it."""
+    """tasks: the run's tasks; a row is freed once every one of them that `retires` rows acked it.
+    multi_turn: rows are multi-turn trajectories (a policy_mask column)."""
     ragged_int, ragged_float = (None,), (None,)
     columns = [
         Column(PROMPT_IDS, "int64", ragged_int),
@@ -136,6 +149,8 @@ def rollout_table(
         ]
     if routed_experts is not None:  # (MoE layers, experts per token)
         columns.append(Column(ROUTED_EXPERTS, "int16", (None, *routed_experts)))
+    if multi_turn:
+        columns.append(Column(POLICY_MASK, "bool", ragged_int))
     retire_after = tuple(dict.fromkeys(task.name for task in tasks if task.retires))
     return TableSpec(
         name, tuple(columns), group_size=group_size, max_row_bytes=max_row_bytes, retire_after=retire_after

@@ -8,6 +8,9 @@ length, non-finite values) is acked with its reason recorded; tokens generated b
 With routing_replay, each row's routed_experts (the engine's routing of every response token) is
 replayed in the trainer's forwards at the positions that predict the response tokens; the prompt's other
 positions, and padding, are routed by the trainer's own router.
+
+With policy_mask (multi-turn trajectories), only the policy's tokens are trained: observation tokens
+carry no loss, entropy, KL or TIS term, and do not count towards staleness.
 """
 
 import json
@@ -44,7 +47,8 @@ class TrainServiceConfig:
     column and report the mean reward of the rows trained. critic_warmup_versions: the first versions
     only the critic learns (JustRL II): their rows are acked as dropped ("critic warm-up") and the
     unchanged weights are published again, so rollout pacing goes on. routing_replay: also lease
-    routed_experts and replay it in every forward (a mixture-of-experts model only)."""
+    routed_experts and replay it in every forward (a mixture-of-experts model only). policy_mask: also
+    lease policy_mask and train only the tokens it marks (multi-turn trajectories)."""
 
     table: str = "rollout"
     task: str = cols.TRAIN_TASK.name
@@ -59,6 +63,7 @@ class TrainServiceConfig:
     critic_warmup_versions: int = 0
     report_reward: bool = False
     routing_replay: bool = False
+    policy_mask: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -78,6 +83,7 @@ class TrainServiceConfig:
             teacher=self.distill,
             reference=self.kl_to_reference,
             routed_experts=self.routing_replay,
+            policy_mask=self.policy_mask,
         )
         return list(task.reads)
 
@@ -272,6 +278,8 @@ class TrainingService:
                 per_token[cols.REF_LOGPROBS] = c[cols.REF_LOGPROBS][i]
             if self.routing is not None:
                 per_token[cols.ROUTED_EXPERTS] = c[cols.ROUTED_EXPERTS][i]
+            if self.config.policy_mask:
+                per_token[cols.POLICY_MASK] = c[cols.POLICY_MASK][i]
             reason = None
             if n == 0:
                 reason = "empty response"
@@ -284,14 +292,17 @@ class TrainingService:
                     reason = f"column {name} is not finite"
             if reason is None and self.routing is not None:
                 reason = self._routing_problem(per_token[cols.ROUTED_EXPERTS])
+            policy = per_token.pop(cols.POLICY_MASK, torch.ones(n, dtype=torch.bool, device=HOST))
+            if reason is None and not policy.any():
+                reason = "no policy token: the response is observations only"
             if reason is not None:
                 dropped.append({"row": row_id, "reason": reason})
                 continue
-            keep = torch.ones(n, dtype=torch.bool, device=HOST)
             age = self.version - per_token[cols.TOKEN_VERSIONS]
-            staleness.update(age.tolist())
+            staleness.update(age[policy].tolist())
+            keep = policy
             if self.config.max_staleness is not None:
-                keep = age <= self.config.max_staleness
+                keep = policy & (age <= self.config.max_staleness)
                 if not keep.any():
                     dropped.append(
                         {"row": row_id, "reason": f"every token older than max_staleness={self.config.max_staleness}"}
