@@ -267,3 +267,29 @@ def test_critic_starts_at_the_mean_reward_and_learns_the_returns(client, unique)
     high = [m for m, r in zip(means, batch.row_ids, strict=True) if r % 2]
     low = [m for m, r in zip(means, batch.row_ids, strict=True) if not r % 2]
     assert min(high) > max(low), "values moved toward each row's return"  # both started at 0.52
+
+
+def test_the_critic_of_multi_turn_rows_learns_only_at_the_policy_s_tokens(client, unique):
+    """Whatever value target the observation tokens carry, the critic's step is the same, bit for bit;
+    without the mask the same rows train it otherwise."""
+    policy = [True, True, False, False, True, True]
+    weights = {}
+    for name, target, masked in (("masked", 0.0, True), ("other target", 1000.0, True), ("no mask", 1000.0, False)):
+        spec = cols.rollout_table(unique("rollout"), group_size=2, multi_turn=True)
+        table = client.create_table(spec).name
+        put_trajectories(client, table, {"logprob": 0.0, "version": -1, "advantage": 1.0}, [policy] * 4)
+        backbone, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+        critic = ValueModel(backbone, ARCH.hidden_size, initial_value=0.5)
+        config = CriticServiceConfig(
+            table=table, rows_per_rank=4, groups_per_rank=2, batch_timeout_s=3, policy_mask=masked
+        )
+        service = CriticService(client, CriticTrainer(critic, OptimConfig(lr=1e-2)), config)
+        assert service.write_values() == 4
+        at = torch.tensor(policy)
+        returns = torch.where(at, torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0]), target)
+        client.add_columns(table, [0, 1, 2, 3], {cols.RETURNS: [returns] * 4})
+        assert service.train_step() is not None
+        weights[name] = critic.state_dict()
+    masked, other, unmasked = weights.values()
+    assert all(torch.equal(masked[k], other[k]) for k in masked), "observation targets changed the critic's step"
+    assert any(not torch.equal(masked[k], unmasked[k]) for k in masked)

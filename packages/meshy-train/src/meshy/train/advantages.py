@@ -62,9 +62,11 @@ def sample_lambdas(lengths: Tensor, k: float) -> Tensor:
 def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambdas: Tensor) -> tuple[Tensor, Tensor]:
     """GAE over each row's masked (response) tokens, with a per-sequence lambda; value after the last one is 0.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lambda_i * A_{t+1}. The returned
-    `returns` are the lambda = 1 targets, sum_l gamma^l r_{t+l} (Monte-Carlo), which the critic trains on.
-    Both are 0 outside the mask and carry no gradient. The masked tokens of a row must be contiguous.
+    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lambda_i * A_{t+1}, where t + 1 is
+    the row's next masked token: positions outside the mask are skipped, so a multi-turn row masked to
+    its policy tokens is one sequence of them, the observations between turns taking no step. The
+    returned `returns` are the lambda = 1 targets, sum_l gamma^l r_{t+l} (Monte-Carlo), which the critic
+    trains on. Both are 0 outside the mask and carry no gradient.
     """
     check_same_2d_shape(token_rewards=token_rewards, values=values, mask=mask)
     if lambdas.shape != (values.shape[0],):
@@ -78,11 +80,11 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd
     for t in reversed(range(values.shape[1])):
         in_response = keep[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = torch.where(in_response, delta + gamma * lambdas * next_advantage, 0.0)
-        next_return = torch.where(in_response, token_rewards[:, t] + gamma * next_return, 0.0)
-        next_value = torch.where(in_response, values[:, t], 0.0)
-        advantages.append(next_advantage)
-        returns.append(next_return)
+        next_advantage = torch.where(in_response, delta + gamma * lambdas * next_advantage, next_advantage)
+        next_return = torch.where(in_response, token_rewards[:, t] + gamma * next_return, next_return)
+        next_value = torch.where(in_response, values[:, t], next_value)
+        advantages.append(torch.where(in_response, next_advantage, 0.0))
+        returns.append(torch.where(in_response, next_return, 0.0))
     return torch.stack(advantages[::-1], dim=1), torch.stack(returns[::-1], dim=1)
 
 

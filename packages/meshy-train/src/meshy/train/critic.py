@@ -79,6 +79,9 @@ class CriticTrainer:
 
 @dataclass(frozen=True)
 class CriticServiceConfig:
+    """policy_mask: rows are multi-turn trajectories; the critic learns only at the policy's tokens (the
+    observations between turns have no value target)."""
+
     table: str = "rollout"
     values_task: str = cols.CRITIC_VALUES_TASK.name
     train_task: str = cols.CRITIC_TRAIN_TASK.name
@@ -86,6 +89,7 @@ class CriticServiceConfig:
     groups_per_rank: int = 1
     lease_s: float = 600.0
     batch_timeout_s: float = 60.0
+    policy_mask: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -135,7 +139,7 @@ class CriticService:
         batch = self.client.lease(
             cfg.table,
             cfg.train_task,
-            list(cols.CRITIC_TRAIN_TASK.reads),
+            list(cols.CRITIC_TRAIN_TASK.reads) + [cols.POLICY_MASK] * cfg.policy_mask,
             count=cfg.groups_per_rank,
             whole_groups=True,
             lease_s=cfg.lease_s,
@@ -149,6 +153,8 @@ class CriticService:
             for i, span in enumerate(spans):
                 returns[i, span] = batch.columns[cols.RETURNS][i].to(self.device)
                 old[i, span] = batch.columns[cols.VALUES][i].to(self.device)
+                if cfg.policy_mask:
+                    mask[i, span] = batch.columns[cols.POLICY_MASK][i].to(mask.device, mask.dtype)
         metrics = self.trainer.step(ValueBatch(tokens, mask, returns, old))
         if batch is not None:
             self.client.ack(batch)
