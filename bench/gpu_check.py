@@ -15,6 +15,8 @@ fails or runs out of time is reported and the next one runs):
   async-speedup     bench/async_speedup.py: W=1 vs W=none with training and inference sharing the GPU
   routing-replay    bench/routing_replay.py: the importance ratio's spread with and without routing replay,
                     bfloat16, on a 32-expert tiny MoE and on a 4-layer qwen3-30b-a3b (128 experts, top 8)
+  weight-sync       bench/weight_sync.py: qwen3-0.6b from a trainer on the GPU to a TorchEngine on the
+                    same GPU over disk, shared memory and the collective (gloo through host buffers)
 After every stage DIR holds summary.md and summary.json (figures and the tables the benches printed)
 and stages.log (every stage's whole output), so a check cut short still reports what it did.
 """
@@ -136,6 +138,10 @@ def stages(args: argparse.Namespace) -> list[Stage]:
     replay = [["--experts", "32", "--top-k", "4", "--prompts", "8", "--response", "8"]]
     if gpu:
         replay = [["--experts", "32", "--top-k", "4"], ["--model", "qwen3-30b-a3b", "--layers", "4", "--sharpen", "1"]]
+    weights = ["--models", "qwen3-tiny", "--versions", "1", "--transports", "disk", "shared-memory", "collective"]
+    if gpu:
+        weights = ["--device", "cuda", "--models", "qwen3-0.6b", "--versions", "2"]
+        weights += ["--transports", "disk", "shared-memory", "collective"]
     bench = [sys.executable, str(ROOT / "bench")]
     return [
         Stage("imports", 60, lambda scratch: [[sys.executable, "-c", imports]]),
@@ -179,6 +185,7 @@ def stages(args: argparse.Namespace) -> list[Stage]:
                 for shape in replay
             ],
         ),
+        Stage("weight-sync", 120, lambda scratch: [[bench[0], f"{bench[1]}/weight_sync.py", *weights]]),
     ]
 
 

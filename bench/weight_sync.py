@@ -2,7 +2,7 @@
 one run on this machine.
 
     uv run python bench/weight_sync.py [--models qwen3-0.6b qwen3-1.7b] [--versions 3] [--dtype bfloat16]
-        [--transports disk shared-memory collective collective+delta]
+        [--transports disk shared-memory collective collective+delta] [--device cpu]
 
 The trainer (this process, one rank, random weights) publishes versions in `--dtype` as a recipe's
 `publish` would: `disk` (HF safetensors directories), `shared-memory` (buckets on this host) and
@@ -12,7 +12,8 @@ each version, verifying its checksum, as the inference service does; the announc
 queue, standing in for the `weights` stream. Between versions the weights change as one RL step at
 lr 1e-6 changes them (every float32 weight moves by 1e-6; not timed). Each transport runs `--versions`
 versions; the table shows the median seconds from publish start to the engine holding the version, the
-GB moved per version (and its share of a whole version), GB/s and the speedup over disk.
+GB moved per version (and its share of a whole version), GB/s and the speedup over disk. With `--device
+cuda` the trainer's model and the engine are on GPU 0 (the transports still go through host memory).
 """
 
 import argparse
@@ -54,9 +55,9 @@ class QueueStream:
         return SimpleNamespace(read=lambda max_n: [])
 
 
-def engine_process(port: int, first: str, dtype: str, announced, done) -> None:
+def engine_process(port: int, first: str, dtype: str, device: str, announced, done) -> None:
     group = WeightSyncGroup(dist.TCPStore("127.0.0.1", port, 2, is_master=False), 1, 2, timeout_s=600)
-    engine = TorchEngine(first, max_running=1, max_len=8, dtype=dtype)
+    engine = TorchEngine(first, max_running=1, max_len=8, dtype=dtype, device=device)
     loop = asyncio.new_event_loop()
     done.put(engine.weight_version)
     while (message := announced.get()) is not None:
@@ -64,6 +65,8 @@ def engine_process(port: int, first: str, dtype: str, announced, done) -> None:
         source = group.receive(published)[1] if published.format == COLLECTIVE else published
         loop.run_until_complete(engine.update_weights(published.version, source))
         assert engine.weight_version == published.version
+        if device == "cuda":
+            torch.cuda.synchronize()  # the copies into the engine's parameters have landed
         done.put(time.monotonic())
         del source
     loop.run_until_complete(engine.close())
@@ -71,7 +74,7 @@ def engine_process(port: int, first: str, dtype: str, announced, done) -> None:
 
 def rl_step(model: torch.nn.Module, step: int) -> None:
     """What one Adam step at lr 1e-6 does to the float32 weights: each moves by about the learning rate."""
-    g = torch.Generator(device="cpu").manual_seed(step)
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(step)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype).sign(), alpha=1e-6)
@@ -79,12 +82,12 @@ def rl_step(model: torch.nn.Module, step: int) -> None:
 
 def bench_model(name: str, args: argparse.Namespace, root: Path) -> Iterator[dict]:
     arch = get_model(name)
-    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0)
+    model, _ = build_model(arch, ParallelConfig(), device=args.device, seed=0)
     first = DirectoryPublisher(root / "first", arch, dtype=args.dtype).publish(model, 0).location
     ctx = multiprocessing.get_context("spawn")
     announced, done = ctx.Queue(), ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
-    engine = ctx.Process(target=engine_process, args=(store.port, first, args.dtype, announced, done))
+    engine = ctx.Process(target=engine_process, args=(store.port, first, args.dtype, args.device, announced, done))
     engine.start()
     group = WeightSyncGroup(store, 0, 2, timeout_s=600)
     done.get(timeout=600)  # the engine is up, serving version 0
@@ -137,8 +140,10 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    print(f"\nweight sync, {args.dtype}, median of {args.versions} versions, trainer and engine on this host (CPU)")
+    where = "CPU" if args.device == "cpu" else "GPU 0"
+    print(f"\nweight sync, {args.dtype}, median of {args.versions} versions, trainer and engine on this host ({where})")
     print("| model | transport | GB moved per version | share of a version | seconds | GB/s | vs disk |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for name in args.models:

@@ -51,6 +51,7 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
             "ring-0.6b",
             "async-speedup",
             "routing-replay",
+            "weight-sync",
         )
     ], summary
     assert code == 0
