@@ -240,6 +240,39 @@ async def test_abort_while_paused_returns_the_partial_output(engine):
     assert aborted.finish_reason == FINISH_ABORT and 1 <= len(aborted.output_ids) < budget
 
 
+@async_case
+async def test_a_multi_turn_trajectory_continues_from_its_exact_token_prefix_as_on_the_reference_engine(
+    engine, published
+):
+    """The same greedy trajectory (policy turns, then the template's observation ids, then the next turn
+    from the whole sequence) on SGLang and on TorchEngine: the same tokens, mask and versions."""
+    from meshy.recipes.agents.trajectory import AgentLimits, run_trajectory
+    from tests.recipes.test_agent_trajectory import TOKENIZER, Echo
+
+    reference = TorchEngine(published[0], max_len=MAX_LEN)
+    stops = tuple(range(0, ARCH.vocab_size, 3))  # short turns: a sharp random model rarely ends its own
+    limits = AgentLimits(max_turns=3, max_tokens=MAX_LEN - 22, deadline_s=120)
+    played = []
+    for policy in (engine, reference):
+        inputs = []
+
+        async def generate(ids, max_new_tokens, policy=policy, inputs=inputs):
+            inputs.append(list(ids))
+            return await policy.generate(f"turn{len(inputs)}", ids, greedy(max_new_tokens, stop_token_ids=stops))
+
+        played.append((await run_trajectory(Echo(), "hi", generate, TOKENIZER, "qwen3", limits), inputs))
+    await reference.close()
+    (ours, our_inputs), (theirs, their_inputs) = played
+    assert ours.turns >= 2 and our_inputs == their_inputs
+    assert (ours.response_ids, ours.policy_mask, ours.token_versions) == (
+        theirs.response_ids,
+        theirs.policy_mask,
+        theirs.token_versions,
+    )
+    assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+    assert our_inputs[1] == ours.prompt_ids + ours.response_ids[: len(our_inputs[1]) - len(ours.prompt_ids)]
+
+
 def test_buckets_hold_each_tensor_once_in_order_within_the_size(new_tensors):
     from meshy.infer.sglang_engine import bucket_names
 
