@@ -21,40 +21,11 @@ from meshy.recipes.agents.trajectory import (
     AgentLimits,
     run_trajectory,
 )
+from meshy.recipes.tasks.byte_tokenizer import ByteTokenizer
 from meshy.recipes.tasks.chat_templates import Message, observation, render
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.publish import hf_tensors
-
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
-IM_END = 256 + SPECIALS.index("<|im_end|>")
-
-
-class ByteTokenizer:
-    """Bytes are ids 0-255, the chat template's markers 256 on: fits a tiny model's 512-token vocabulary."""
-
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        while text:
-            special = next((s for s in SPECIALS if text.startswith(s)), None)
-            if special:
-                ids.append(256 + SPECIALS.index(special))
-                text = text[len(special) :]
-            else:
-                ids += list(text[0].encode())
-                text = text[1:]
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        out, pending = [], bytearray()
-        for i in ids:
-            if i < 256:
-                pending.append(i)
-                continue
-            out.append(pending.decode(errors="replace") + (SPECIALS[i - 256] if i - 256 < len(SPECIALS) else "?"))
-            pending = bytearray()
-        return "".join(out) + pending.decode(errors="replace")
-
 
 TOKENIZER = ByteTokenizer()
 
@@ -213,3 +184,17 @@ def test_a_real_engine_continues_the_exact_sequence_and_tokens_keep_the_version_
         observed = k * len(TOKENIZER.encode(observation("qwen3", ["ok"])))
         assert seen == t.prompt_ids + t.response_ids[: produced + observed], k
     assert json.dumps(t.token_versions)  # plain ints, ready for the data plane's columns
+
+
+def test_the_byte_tokenizer_gives_back_the_exact_text_with_each_marker_one_id():
+    text = 'x<y <|im_start|>user\nçé 3<4<tool_call>\n{"a": 1}\n</tool_call><|im_end|><|im_en'
+    ids = TOKENIZER.encode(text)
+    assert TOKENIZER.decode(ids) == text
+    assert (
+        ids.count(TOKENIZER.eos_token_id) == 1 and max(ids) < TOKENIZER.vocab_size <= get_model("qwen3-tiny").vocab_size
+    )
+    assert TOKENIZER.encode("<tool_call>") == [TOKENIZER.vocab_size - 4] and TOKENIZER.encode("") == []
+    assert TOKENIZER.decode([0xC3]) == "\ufffd"  # half a character
+    assert TOKENIZER.decode([104, 265, 511, 105]) == "hi"  # ids beyond the vocabulary: nothing
+    with pytest.raises(SchemaError, match="byte tokenizer: encode expects a str, got bytes"):
+        TOKENIZER.encode(b"x")
