@@ -2,7 +2,10 @@
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +201,14 @@ def test_the_byte_tokenizer_gives_back_the_exact_text_with_each_marker_one_id():
     assert TOKENIZER.decode([104, 265, 511, 105]) == "hi"  # ids beyond the vocabulary: nothing
     with pytest.raises(SchemaError, match="byte tokenizer: encode expects a str, got bytes"):
         TOKENIZER.encode(b"x")
+
+
+def test_the_agent_rollout_bench_plays_the_same_tokens_in_every_mode():
+    bench = Path(__file__).resolve().parents[2] / "bench" / "agent_rollout.py"
+    args = ["--trajectories", "8", "--sequential", "8", "--turns", "2", "--latency", "0.01"]
+    out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| ") and "ms tool" in line]
+    rows += [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| instant tool")]
+    assert len(rows) == 3, out.stdout
+    assert {(done.strip(), tokens.strip()) for _, done, tokens, *_ in rows} == {("8", rows[0][2].strip())}
