@@ -1,6 +1,7 @@
 """Multi-turn trajectories: one token sequence of the engine's own ids and the template's observation ids."""
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from meshy.recipes.agents.trajectory import (
     AgentLimits,
     run_trajectory,
 )
+from meshy.recipes.tasks import calculator
 from meshy.recipes.tasks.byte_tokenizer import ByteTokenizer
 from meshy.recipes.tasks.chat_templates import Message, observation, render
 from meshy.train.models import get_model
@@ -212,3 +214,25 @@ def test_the_agent_rollout_bench_plays_the_same_tokens_in_every_mode():
     rows += [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| instant tool")]
     assert len(rows) == 3, out.stdout
     assert {(done.strip(), tokens.strip()) for _, done, tokens, *_ in rows} == {("8", rows[0][2].strip())}
+
+
+def test_the_calculator_task_rewards_an_answer_found_with_the_tool_and_refuses_anything_but_arithmetic():
+    problem = next(calculator.problems(seed=3, digits=3))
+    a, b = problem.prompt.rstrip("=").split("*")
+    assert len(a) == len(b) == 3 and problem.answer == str(int(a) * int(b))
+    assert list(itertools.islice(calculator.problems(7), 5)) == list(itertools.islice(calculator.problems(7), 5))
+    call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a}*{b}"}}}}\n</tool_call><|im_end|>'
+    right = ScriptedPolicy([(call, 0, FINISH_STOP), (f"{problem.answer}<|im_end|>", 0, FINISH_STOP)])
+    t = asyncio.run(run_trajectory(calculator.environment(), problem, right, TOKENIZER, "qwen3", LIMITS))
+    assert (t.finish_reason, t.reward, t.tool_calls, dict(t.tool_errors)) == (DONE, 1.0, {"calculator": 1}, {})
+    assert f"<tool_response>\n{problem.answer}\n</tool_response>" in TOKENIZER.decode(t.response_ids)
+    assert '"name": "calculator"' in TOKENIZER.decode(t.prompt_ids), "the prompt lists the tool"
+    wrong = ScriptedPolicy([("12<|im_end|>", 0, FINISH_STOP)])
+    t = asyncio.run(run_trajectory(calculator.environment(), problem, wrong, TOKENIZER, "qwen3", LIMITS))
+    assert (t.finish_reason, t.reward, t.turns) == (DONE, 0.0, 1)
+    assert calculator.calculate(" 12 - 30 ") == "-18"
+    for hostile in ("__import__('os').system('id')", "2**99999999", "1+2+3", "9" * 13 + "*2", ""):
+        with pytest.raises(ValueError, match="expected an expression like 12\\*34"):
+            calculator.calculate(hostile)
+    with pytest.raises(SchemaError, match="calculator task: digits in 1..6 and ops from '\\+-\\*', got 7, '/'"):
+        next(calculator.problems(0, digits=7, ops="/"))
