@@ -96,8 +96,11 @@ def test_tools_answer_with_text_or_json_and_describe_themselves_as_the_chat_temp
     ]
 
 
+RELEASE = threading.Event()  # set when the test is done, so the hung tool's thread ends with it
+
+
 def hang() -> str:
-    threading.Event().wait(30)  # longer than any test: the box must not wait for it
+    RELEASE.wait(30)  # the box must not wait for it
     return "late"
 
 
@@ -144,6 +147,7 @@ def test_every_kind_of_failure_is_an_error_observation_and_the_other_calls_go_on
         ToolCall("add", {"a": 2, "b": 2}),
     )
     assert time.monotonic() - start < 5, "a hung tool costs its timeout, not its run time"
+    RELEASE.set()
     box.close()
     kinds = [r.error for r in results]
     assert kinds == [MALFORMED, UNKNOWN_TOOL, *[BAD_ARGUMENTS] * 4, TIMEOUT, RAISED, BAD_RESULT, BAD_RESULT, None, None]
