@@ -1,5 +1,6 @@
 """The client against real data-plane servers (one controller, two storage units)."""
 
+import threading
 import time
 
 import pytest
@@ -224,8 +225,6 @@ def test_stream_reader_waits_for_the_next_message(client, unique, dataplane, sec
     reader = client.reader(s, "r")
     assert reader.read(timeout=0.2) == []
     with DataPlaneClient(dataplane.endpoints, secret) as other:
-        import threading
-
         threading.Timer(0.3, lambda: other.append(s, "go")).start()
         got = reader.read(timeout=5)
     assert [m.payload for m in got] == ["go"]
@@ -288,3 +287,29 @@ def test_a_new_thread_whose_first_call_allocates_storage_keys_does_not_deadlock(
         worker.join(timeout=20)
     assert not any(worker.is_alive() for worker in workers), "a put deadlocked"
     assert errors == [] and client.table_stats(t)["rows"] == 900
+
+
+def test_closing_a_client_ends_the_wait_another_thread_is_in_before_closing_its_socket(dataplane, secret, unique):
+    """A trainer's prefetch thread can be waiting in a lease when its process closes the client: the wait
+    ends with an error saying so, and close() closes no socket under it (a ZMQ socket closed under a
+    thread that uses it can crash the process)."""
+    closing = DataPlaneClient(dataplane.endpoints, secret, name="closing")
+    table = make_table(closing, unique).name
+    errors = []
+
+    def wait_for_rows() -> None:
+        try:
+            closing.lease(table, "never-ready", ["prompt_ids"], timeout=30)
+        except DataPlaneError as e:
+            errors.append(str(e))
+
+    waiter = threading.Thread(target=wait_for_rows)
+    waiter.start()
+    time.sleep(0.5)  # inside its lease by now
+    start = time.monotonic()
+    closing.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and time.monotonic() - start < 5
+    assert errors == ["the client was closed while 'lease' waited for the data-plane controller"]
+    with pytest.raises(DataPlaneError, match="the client is closed"):
+        closing.table_stats(table)

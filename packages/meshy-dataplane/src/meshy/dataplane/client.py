@@ -8,11 +8,12 @@ wait is noticed within a slice plus the RPC timeout.
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from meshy.dataplane.streams import START_LATEST
 from meshy.dataplane.tables import AckResult
 from meshy.dataplane.wire import decode_reply, encode_request
 
+log = logging.getLogger(__name__)
 _payloads = msgspec.msgpack.Encoder()
 _payload_decoder = msgspec.msgpack.Decoder()
 
@@ -86,6 +88,9 @@ class DataPlaneClient:
         self._tables: dict[str, TableSpec] = {}
         self._free_keys: dict[str, list[int]] = {}
         self._closed = False
+        self._closing = False  # set by close(): waits in progress end, new calls are refused
+        self._in_use = 0  # calls using a socket now, on any thread
+        self._uses = threading.Condition()
         self._check_access()
 
     # ---- transport ----------------------------------------------------------------------------
@@ -116,24 +121,40 @@ class DataPlaneClient:
                 self._storage_channels.append(channel)
         return channel
 
+    @contextlib.contextmanager
+    def _using_sockets(self) -> Iterator[None]:
+        """Around every use of a socket: close() closes none while another thread is inside one (a
+        ZMQ socket closed under a thread that uses it can crash the process)."""
+        with self._uses:
+            if self._closing:
+                raise DataPlaneError("the client is closed")
+            self._in_use += 1
+        try:
+            yield
+        finally:
+            with self._uses:
+                self._in_use -= 1
+                self._uses.notify_all()
+
     def _check_access(self) -> None:
         """Ping the controller once, so refused credentials or a server that is down fail here."""
         self._call("ping", {})
 
     def _call(self, op: str, args: dict, timeout_s: float | None = None) -> Any:
-        conn = self._controller()
-        request_id = next(self._request_ids)
-        conn.send(encode_request(op, request_id, args), op)
-        deadline = time.monotonic() + (timeout_s or self.config.rpc_timeout_s)
-        while True:
-            conn.wait_reply(op, deadline)
-            reply = decode_reply(conn.socket.recv())
-            if reply["id"] != request_id:
-                continue  # the late reply of a call that timed out earlier
-            if reply["ok"]:
-                return reply["result"]
-            error = reply["error"]
-            raise REMOTE_ERRORS.get(error["kind"], DataPlaneError)(error["message"])
+        with self._using_sockets():
+            conn = self._controller()
+            request_id = next(self._request_ids)
+            conn.send(encode_request(op, request_id, args), op)
+            deadline = time.monotonic() + (timeout_s or self.config.rpc_timeout_s)
+            while True:
+                conn.wait_reply(op, deadline, closing=lambda: self._closing)
+                reply = decode_reply(conn.socket.recv())
+                if reply["id"] != request_id:
+                    continue  # the late reply of a call that timed out earlier
+                if reply["ok"]:
+                    return reply["result"]
+                error = reply["error"]
+                raise REMOTE_ERRORS.get(error["kind"], DataPlaneError)(error["message"])
 
     def _wait_call(self, op: str, args: dict, timeout_s: float, done: Callable[[Any], bool]) -> Any:
         """A call the controller may hold until `done(result)` or the wait ends, in slices."""
@@ -219,7 +240,8 @@ class DataPlaneClient:
             "consumer": self.consumer_id,
         }
         try:
-            self._storage().put(keys, dict(columns))
+            with self._using_sockets():
+                self._storage().put(keys, dict(columns))
             return self._call("commit", args)
         except (SchemaError, RowConflictError):
             self._return_keys(table, keys)  # nothing references them; their storage is rewritten on reuse
@@ -295,7 +317,8 @@ class DataPlaneClient:
             by_keys.setdefault(tuple(column_keys), []).append(column)
         out = {}
         for column_keys, names in by_keys.items():
-            values = self._storage().get(list(column_keys), names)
+            with self._using_sockets():
+                values = self._storage().get(list(column_keys), names)
             for name in names:
                 out[name] = spec.column(name).pack(values[name])
         return {c: out[c] for c in keys}
@@ -348,14 +371,23 @@ class DataPlaneClient:
         return self._call("stream_stats", {"stream": stream})
 
     def close(self) -> None:
-        """Give back unused storage keys and close every socket. Safe to call twice."""
+        """Give back unused storage keys and close every socket. Safe to call twice. A call another
+        thread is waiting in ends with DataPlaneError (within _CANCEL_CHECK_S) before its socket closes;
+        one that does not end within rpc_timeout_s keeps the sockets open (closing them under it could
+        crash the process)."""
         if self._closed:
             return
         for table, keys in list(self._free_keys.items()):
             if keys:
                 with contextlib.suppress(DataPlaneError):  # if the controller is gone, so are the keys
                     self._call("release_keys", {"table": table, "keys": keys})
+        with self._uses:
+            self._closing = True
+            idle = self._uses.wait_for(lambda: self._in_use == 0, timeout=self.config.rpc_timeout_s)
         self._closed = True
+        if not idle:
+            log.warning("data-plane client %s: a call still uses its sockets; they stay open", self.consumer_id)
+            return
         with self._lock:
             for channel in self._storage_channels:
                 channel.close()

@@ -9,11 +9,12 @@ call fails then instead of at the deadline. A refused handshake (wrong run secre
 import functools
 import operator
 import time
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from meshy.dataplane.errors import AccessDenied, ServerUnavailable
+from meshy.dataplane.errors import AccessDenied, DataPlaneError, ServerUnavailable
 from meshy.dataplane.security import Credentials
 
 _REFUSED = {
@@ -22,6 +23,7 @@ _REFUSED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
 }
 CONTROLLER = "the data-plane controller"
+_CANCEL_CHECK_S = 0.1  # how often a wait for a reply checks whether its client is closing
 _WATCHED = functools.reduce(operator.or_, _REFUSED | {zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED})
 
 
@@ -77,17 +79,20 @@ class ServerConnection:
         self.socket.send_multipart(frames, copy=copy)
         self._sent_at = time.monotonic()
 
-    def wait_reply(self, op: str, deadline: float) -> None:
+    def wait_reply(self, op: str, deadline: float, closing: Callable[[], bool] = lambda: False) -> None:
         """Return once a reply can be read; ServerUnavailable if the connection closes first (its reply,
-        if any, is lost with it) or if none comes by `deadline` (time.monotonic)."""
+        if any, is lost with it) or if none comes by `deadline` (time.monotonic); DataPlaneError as soon
+        as `closing()` says the client is being closed (it must not close this socket under the wait)."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while True:
             remaining = deadline - time.monotonic()
-            events = dict(poller.poll(max(0.0, remaining) * 1000))
+            events = dict(poller.poll(max(0.0, min(remaining, _CANCEL_CHECK_S)) * 1000))
             if self.socket in events:
                 return
+            if closing():
+                raise DataPlaneError(f"the client was closed while '{op}' waited for {self.name}")
             if self._observe():
                 if self._refused:
                     raise self._refusal()
