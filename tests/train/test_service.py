@@ -2,6 +2,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -293,3 +295,20 @@ def test_the_critic_of_multi_turn_rows_learns_only_at_the_policy_s_tokens(client
     masked, other, unmasked = weights.values()
     assert all(torch.equal(masked[k], other[k]) for k in masked), "observation targets changed the critic's step"
     assert any(not torch.equal(masked[k], unmasked[k]) for k in masked)
+
+
+def test_closing_the_service_ends_a_prefetch_waiting_for_rows_that_will_not_come(client, unique, tmp_path):
+    """After the last version, the rows prefetched for the next one may never come (the run is over):
+    close() must not wait out the whole batch timeout."""
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
+    put_groups(client, table, range(1), 2, ARCH.vocab_size)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(table=table, groups_per_rank=1, batch_timeout_s=600)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+    service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
+    assert service.train_batch(service.wait_for_batch())["rows_trained"] == 2  # and now it prefetches
+    start = time.monotonic()
+    closer = threading.Thread(target=service.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive() and time.monotonic() - start < 5

@@ -14,6 +14,7 @@ carry no loss, entropy, KL or TIS term, and do not count towards staleness.
 """
 
 import json
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -102,6 +103,7 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
+LEASE_SLICE_S = 1.0  # a lease waits in slices this long, so close() ends a prefetch within one
 STALENESS_BINS = 64  # the histogram counts tokens 0..63 versions behind one by one, older ones together
 
 
@@ -149,6 +151,7 @@ class TrainingService:
         # The next version's rows are leased and fetched while this version trains.
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshy-train-prefetch")
         self._next: Future | None = None
+        self._closing = threading.Event()
 
     def publish_initial(self) -> Published | None:
         """Announce the starting weights as the current version, so engines start from the same ones."""
@@ -238,19 +241,28 @@ class TrainingService:
         return record
 
     def _lease(self) -> Batch | None:
+        """This rank's rows for a version, or None after batch_timeout_s (sooner once closing: a prefetch
+        for a version that will not run, after the last one, must not hold close() for the whole wait)."""
         cfg = self.config
-        return self.client.lease(
-            cfg.table,
-            cfg.task,
-            cfg.columns,
-            count=cfg.groups_per_rank,
-            whole_groups=True,
-            lease_s=cfg.lease_s,
-            timeout=cfg.batch_timeout_s,
-        )
+        deadline = time.monotonic() + cfg.batch_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            batch = self.client.lease(
+                cfg.table,
+                cfg.task,
+                cfg.columns,
+                count=cfg.groups_per_rank,
+                whole_groups=True,
+                lease_s=cfg.lease_s,
+                timeout=max(0.0, min(LEASE_SLICE_S, remaining)),
+            )
+            if batch is not None or remaining <= LEASE_SLICE_S or self._closing.is_set():
+                return batch
 
     def close(self) -> None:
-        """Stop prefetching; rows fetched for a version that will not run go back to the pool at once."""
+        """Stop prefetching (within LEASE_SLICE_S); rows fetched for a version that will not run go back
+        to the pool at once."""
+        self._closing.set()
         if self._next is not None:
             batch = self._next.result()
             if batch is not None:
