@@ -170,7 +170,7 @@ def test_the_buckets_are_planned_from_shapes_alone_as_the_gathered_tensors_come(
 
 
 def test_a_packed_version_holds_and_hashes_the_converted_tensors_chunk_by_chunk(monkeypatch):
-    """Packing converts and hashes each tensor in chunks on two threads: the buckets and the checksum must
+    """Packing converts and hashes each tensor chunk by chunk: the buckets and the checksum must
     be those of the whole tensors converted at once, for tensors of one chunk, of many, and of none."""
     monkeypatch.setattr(weights, "_CHUNK_BYTES", 1000)  # the tiny model's tensors span up to ~100 chunks
     arch = get_model("qwen3-tiny")

@@ -207,7 +207,8 @@ class BucketLayout:
         """Copy `tensors` into their places in `buffers` (a tensor not in the layout is an error)."""
         views = unpack_buckets(self.manifest, buffers, copy=False)
         for name, tensor in tensors:
-            _view_for(views, name, tensor).copy_(_on_host_device(tensor, views[name]))
+            view = _view_for(views, name, tensor)
+            view.copy_(_on_host_device(tensor, view))
 
 
 def _view_for(views: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from meshy.dataplane import HOST, DataPlaneClient, SchemaError, weight_delta
+from meshy.dataplane import DataPlaneClient, SchemaError, weight_delta
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import (
     COLLECTIVE,
@@ -72,33 +71,16 @@ def hf_specs(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) -> l
     return [(name, dtype, tuple(t.shape)) for name, t in arch.state_dict_adapter().to_hf(shapes).items()]
 
 
-# Packing threads: each converts and hashes whole tensors (torch and xxhash release the GIL); each holds
-# the gathered tensor it packs, so at most this many are held at once. More do not help where memory
-# bandwidth bounds the copy (2 cores: 0.25 s for qwen3-0.6b in bf16, against 0.28 s with one).
-_PACK_THREADS = 2
-_packers = ThreadPoolExecutor(max_workers=_PACK_THREADS, thread_name_prefix="meshy-weights-pack")
-
-
 def pack_version(
     layout: BucketLayout, buffers: dict[str, torch.Tensor], tensors: Iterator[tuple[str, torch.Tensor]], what: str
 ) -> str:
-    """Convert `tensors` (full_hf_tensors) into their places in `buffers`, hashing each as it is copied,
-    on the packing threads while the next ones are gathered; the version's checksum."""
+    """Convert `tensors` (full_hf_tensors) into their places in `buffers`, hashing each chunk as it is
+    copied; the version's checksum."""
     views = unpack_buckets(layout.manifest, buffers, copy=False)
-    digests: dict[str, Future] = {}
-    in_flight: set[Future] = set()
-    try:
-        for name, tensor in tensors:
-            if len(in_flight) == _PACK_THREADS:
-                in_flight = wait(in_flight, return_when=FIRST_COMPLETED).not_done
-            digests[name] = _packers.submit(place_and_digest, views, name, tensor)
-            in_flight.add(digests[name])
-    finally:
-        wait(in_flight)  # no thread writes into the buffers once this returns or raises
-    done = {name: digest.result() for name, digest in digests.items()}  # raises what a packing thread raised
-    if done.keys() != views.keys():
-        raise SchemaError(f"{what}: the model lacks tensors of the layout: {sorted(views.keys() - done.keys())[:3]}")
-    return combine_digests(done)
+    digests = {name: place_and_digest(views, name, tensor) for name, tensor in tensors}
+    if digests.keys() != views.keys():
+        raise SchemaError(f"{what}: the model lacks tensors of the layout: {sorted(views.keys() - digests.keys())[:3]}")
+    return combine_digests(digests)
 
 
 def _check_dtype(dtype: str) -> None:
@@ -310,9 +292,8 @@ class CollectivePublisher:
     def publish(self, model: torch.nn.Module, version: int) -> Published | None:
         """Every rank calls this (the gather is a collective); rank 0 announces, then broadcasts."""
         start = time.perf_counter()
-        tensors = full_hf_tensors(model, self.arch)
         if not _is_writer():
-            list(tensors)  # joins every gather; yields nothing here
+            list(full_hf_tensors(model, self.arch))  # joins every gather; yields nothing here
             return None
         if self._layout is None:
             self._layout = BucketLayout.plan(hf_specs(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
@@ -320,9 +301,10 @@ class CollectivePublisher:
         asked = self._asked()  # read every version, so a request is answered once, not again after a whole one
         base, self._held = self._held, None  # the buffers change: they hold a version again once it is packed
         if self.delta and base is not None and self._since_full < self.full_every - 1 and not asked:
-            layout, sent, checksum, delta = self._encode(tensors, base)
+            layout, sent, checksum, delta = self._encode(model, base)
         else:
             layout, sent, delta = self._layout, self._buffers, None
+            tensors = full_hf_tensors(model, self.arch)
             checksum = pack_version(layout, sent, tensors, f"collective publishing v{version}")
         self._held = version
         self._since_full = 0 if delta is None else self._since_full + 1
@@ -336,21 +318,18 @@ class CollectivePublisher:
         self.group.send(published, sent)
         return published
 
-    def _encode(
-        self, tensors: Iterator[tuple[str, torch.Tensor]], base: int
-    ) -> tuple[BucketLayout, dict[str, torch.Tensor], str, dict]:
+    def _encode(self, model: torch.nn.Module, base: int) -> tuple[BucketLayout, dict[str, torch.Tensor], str, dict]:
         """(layout, buffers, checksum, delta description) of the delta from version `base`, which the
-        buffers hold, to `tensors`; the buffers hold `tensors` afterwards."""
-        dtype, digests = DTYPES[self.dtype], {}
+        buffers hold, to `model`'s weights; the buffers hold those weights afterwards."""
+        digests = {}
 
-        def converted() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in tensors:
-                tensor = tensor.to(dtype).to(HOST)  # converted where it lives (GPU: on device)
-                digests[name] = digest_later(tensor)
+        def hashed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in hf_tensors(model, self.arch, DTYPES[self.dtype]):
+                digests[name] = digest_later(tensor)  # hashed while the next tensor is compared
                 yield name, tensor
 
         held = unpack_buckets(self._layout.manifest, self._buffers, copy=False)
-        segments, delta = weight_delta.encode(converted(), held)
+        segments, delta = weight_delta.encode(hashed(), held)
         delta["base"] = base
         layout = BucketLayout.plan([(name, t.dtype, tuple(t.shape)) for name, t in segments], self.bucket_bytes)
         sent = layout.allocate()
