@@ -88,13 +88,15 @@ def test_gae_with_gamma_one_and_per_sample_lambda_matches_unrolled_recursion():
 def test_gae_over_a_multi_turn_row_skips_the_observation_tokens_between_policy_turns():
     """Policy tokens 0, 1, 4, 5 with observation tokens 2, 3 between them (nan: never read): the same
     advantages and returns as the policy tokens alone, one after the other, and 0 at the observations."""
-    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
-    rewards = torch.tensor([[0.0, 0.0, NAN, NAN, 0.0, 1.0, NAN]])
-    values = torch.tensor([[0.1, 0.2, NAN, NAN, 0.4, 0.6, NAN]])
-    lambdas = torch.tensor([0.8])
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]], device="cpu")
+    rewards = torch.tensor([[0.0, 0.0, NAN, NAN, 0.0, 1.0, NAN]], device="cpu")
+    values = torch.tensor([[0.1, 0.2, NAN, NAN, 0.4, 0.6, NAN]], device="cpu")
+    lambdas = torch.tensor([0.8], device="cpu")
     advantages, returns = gae(rewards, values, mask, gamma=0.9, lambdas=lambdas)
     policy = [0, 1, 4, 5]
-    alone, alone_returns = gae(rewards[:, policy], values[:, policy], torch.ones(1, 4), gamma=0.9, lambdas=lambdas)
+    alone, alone_returns = gae(
+        rewards[:, policy], values[:, policy], torch.ones(1, 4, device="cpu"), gamma=0.9, lambdas=lambdas
+    )
     close(advantages[:, policy], alone.tolist())
     close(returns[:, policy], alone_returns.tolist())
     close(advantages[:, [2, 3, 6]], [[0.0, 0.0, 0.0]])

@@ -175,7 +175,10 @@ def test_a_packed_version_holds_and_hashes_the_converted_tensors_chunk_by_chunk(
     monkeypatch.setattr(weights, "_CHUNK_BYTES", 1000)  # the tiny model's tensors span up to ~100 chunks
     arch = get_model("qwen3-tiny")
     model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
-    extra = [("transposed", torch.arange(12.0).view(3, 4).t()), ("empty", torch.zeros(0, 5))]
+    extra = [
+        ("transposed", torch.arange(12.0, device="cpu").view(3, 4).t()),
+        ("empty", torch.zeros(0, 5, device="cpu")),
+    ]
     expected = {n: t.to(torch.bfloat16) for n, t in [*full_hf_tensors(model, arch), *extra]}
     layout = BucketLayout.plan([(n, t.dtype, tuple(t.shape)) for n, t in expected.items()], 50_000)
     buffers = layout.allocate()
@@ -184,7 +187,9 @@ def test_a_packed_version_holds_and_hashes_the_converted_tensors_chunk_by_chunk(
     packed = unpack_buckets(layout.manifest, buffers)
     assert all(torch.equal(packed[n], t) for n, t in expected.items())
     with pytest.raises(SchemaError, match=r"'stray': shape \(2,\) is not in the buckets' layout \(absent\)"):
-        pack_version(layout, buffers, iter([*full_hf_tensors(model, arch), ("stray", torch.ones(2))]), "test")
+        pack_version(
+            layout, buffers, iter([*full_hf_tensors(model, arch), ("stray", torch.ones(2, device="cpu"))]), "test"
+        )
     with pytest.raises(SchemaError, match="test: the model lacks tensors of the layout: \\['empty', 'transposed'\\]"):
         pack_version(layout, buffers, full_hf_tensors(model, arch), "test")
 

@@ -75,20 +75,20 @@ def put_trajectories(client, table: str, observation: dict, masks: list[list[boo
     """Two groups of two multi-turn rows: prompt, 2 policy tokens, 2 observation tokens, 2 policy tokens;
     `observation` gives the observation tokens' logprob, version and advantage (masks: the policy masks,
     None for a table without one)."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
     for group in range(2):
         ids = [2 * group, 2 * group + 1]
-        client.put(table, ids, {cols.PROMPT_IDS: [torch.tensor([1, 2, 3])] * 2}, group_ids=[group] * 2)
-        responses = [torch.randint(0, ARCH.vocab_size, (6,), generator=g) for _ in ids]
+        client.put(table, ids, {cols.PROMPT_IDS: [torch.tensor([1, 2, 3], device="cpu")] * 2}, group_ids=[group] * 2)
+        responses = [torch.randint(0, ARCH.vocab_size, (6,), generator=g, device="cpu") for _ in ids]
         columns = {cols.RESPONSE_IDS: responses, cols.ROLLOUT_LOGPROBS: [], cols.TOKEN_VERSIONS: [], cols.ADVANTAGE: []}
         for k in range(2):
-            policy_logprobs = -torch.rand(6, generator=g) - 0.5
-            at = torch.tensor([False, False, True, True, False, False])  # the observation's tokens
+            policy_logprobs = -torch.rand(6, generator=g, device="cpu") - 0.5
+            at = torch.tensor([False, False, True, True, False, False], device="cpu")  # the observation's tokens
             columns[cols.ROLLOUT_LOGPROBS].append(torch.where(at, observation["logprob"], policy_logprobs))
             columns[cols.TOKEN_VERSIONS].append(torch.where(at, observation["version"], 0))
             columns[cols.ADVANTAGE].append(torch.where(at, observation["advantage"], 1.0 - 2 * k))
         if masks is not None:
-            columns[cols.POLICY_MASK] = [torch.tensor(masks[i]) for i in ids]
+            columns[cols.POLICY_MASK] = [torch.tensor(masks[i], device="cpu") for i in ids]
         client.add_columns(table, ids, columns)
 
 
@@ -287,8 +287,8 @@ def test_the_critic_of_multi_turn_rows_learns_only_at_the_policy_s_tokens(client
         )
         service = CriticService(client, CriticTrainer(critic, OptimConfig(lr=1e-2)), config)
         assert service.write_values() == 4
-        at = torch.tensor(policy)
-        returns = torch.where(at, torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0]), target)
+        at = torch.tensor(policy, device="cpu")
+        returns = torch.where(at, torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0], device="cpu"), target)
         client.add_columns(table, [0, 1, 2, 3], {cols.RETURNS: [returns] * 4})
         assert service.train_step() is not None
         weights[name] = critic.state_dict()
