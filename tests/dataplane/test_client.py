@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from meshy.dataplane import (
+    HOST,
     Column,
     DataPlaneClient,
     DataPlaneError,
@@ -185,6 +186,20 @@ def test_add_columns_with_ack_is_atomic(client, unique):
     result = client.add_columns(t, batch.row_ids, {"response_ids": [torch.arange(3)] * 2}, ack=batch)
     assert result.acked == [0, 1]
     assert client.table_stats(t)["tasks"]["infer"] == {"ready": 0, "leased": 0, "done": 2}
+
+
+def test_put_with_ack_adds_the_new_rows_and_acks_the_leased_ones_together(client, unique):
+    t = make_table(client, unique).name
+    client.put(t, [0, 1], {"prompt_ids": [torch.arange(2, device=HOST)] * 2})
+    batch = client.lease(t, "step", ["prompt_ids"], count=2, timeout=2)
+    with pytest.raises(SchemaError, match=r"ack_rows \[7\] are not in the acked batch"):
+        client.put(t, [10], {"prompt_ids": [torch.arange(3, device=HOST)]}, ack=batch, ack_rows=[7])
+    with pytest.raises(RowConflictError, match="duplicate row id 1"):  # fails whole: row 0's ack is not kept
+        client.put(t, [1], {"prompt_ids": [torch.arange(3, device=HOST)]}, ack=batch, ack_rows=[0])
+    assert client.table_stats(t)["tasks"]["step"] == {"ready": 0, "leased": 2, "done": 0}
+    result = client.put(t, [10], {"prompt_ids": [torch.arange(3, device=HOST)]}, ack=batch, ack_rows=[0])
+    assert result.acked == [0]
+    assert client.table_stats(t)["tasks"]["step"] == {"ready": 1, "leased": 1, "done": 1}  # row 10 is new
 
 
 def test_tables_are_declared_idempotently(client, unique):

@@ -188,14 +188,30 @@ class DataPlaneClient:
         row_ids: Sequence[int],
         columns: Mapping[str, Any],
         group_ids: Sequence[int] | None = None,
-    ) -> None:
-        """Add new rows with some of their columns. Fails whole (nothing visible) on any conflict."""
+        ack: "Batch | None" = None,
+        ack_rows: Sequence[int] | None = None,
+    ) -> AckResult | None:
+        """Add new rows with some of their columns. Fails whole (nothing visible) on any conflict. With
+        `ack`, also acks rows of that batch of the same table (`ack_rows`, or all of them) for its task,
+        atomically: a consumer that turns the rows it leased into new rows never leaves both or neither."""
         if group_ids is not None and (
             len(group_ids) != len(row_ids)
             or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in group_ids)
         ):
             raise SchemaError(f"table '{table}': group_ids: expected {len(row_ids)} non-negative ints")
-        self._write(table, True, row_ids, columns, group_ids, None)
+        ack_args = None
+        if ack is not None:
+            if ack.table != table:
+                raise SchemaError(f"put: ack is a batch of table '{ack.table}', not '{table}'")
+            acked = list(ack.row_ids if ack_rows is None else ack_rows)
+            outside = sorted(set(acked) - set(ack.row_ids))
+            if outside:
+                raise SchemaError(f"put: ack_rows {outside[:5]} are not in the acked batch")
+            ack_args = {"task": ack.task, "row_ids": acked}
+        elif ack_rows is not None:
+            raise SchemaError("put: ack_rows names rows of a batch; expected ack=the batch too")
+        result = self._write(table, True, row_ids, columns, group_ids, ack_args)
+        return AckResult(**result["ack"]) if ack is not None else None
 
     def add_columns(
         self,
