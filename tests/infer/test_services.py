@@ -77,6 +77,37 @@ def test_inference_writes_responses_and_reports_bad_rows_without_stopping(client
         )
 
 
+def test_rows_of_a_table_with_a_max_new_tokens_column_are_each_cut_at_their_own_budget(client, unique):
+    name = client.create_table(cols.turns_table(unique("turns"))).name
+    budgets = [1, 2, 5, 0]
+    client.put(
+        name,
+        list(range(len(budgets))),
+        {
+            cols.PROMPT_IDS: [torch.tensor([5, 6, 7], device="cpu")] * len(budgets),
+            cols.MAX_NEW_TOKENS: torch.tensor(budgets, device="cpu"),
+        },
+    )
+    config = InferenceServiceConfig(
+        table=name, max_new_tokens=4, context_length=128, temperature=1.0, seed=3, weights_stream=unique("weights")
+    )
+
+    async def serve():
+        e = engine()
+        try:
+            return await InferenceService(client, e, config).run(max_rows=len(budgets))
+        finally:
+            await e.close()
+
+    assert asyncio.run(serve()).errors == 1
+    batch = client.lease(name, "check", CHECK, count=len(budgets), timeout=5)
+    by_row = {row: i for i, row in enumerate(batch.row_ids)}
+    lengths = [len(batch.columns[cols.RESPONSE_IDS][by_row[row]]) for row in range(len(budgets))]
+    assert lengths[0] == 1 and 1 <= lengths[1] <= 2 and 1 <= lengths[2] <= 4 and lengths[3] == 0, lengths
+    assert batch.columns[cols.FINISH_REASON][by_row[0]] == "length"  # cut at the row's budget of 1
+    assert batch.columns[cols.ERROR][by_row[3]] == "max_new_tokens of the row: expected >= 1, got 0"
+
+
 @pytest.mark.parametrize("update_mode", ["abort", "in_place"])
 def test_a_new_version_mid_generation_is_loaded_and_every_token_keeps_its_version(
     update_mode, client, unique, tmp_path

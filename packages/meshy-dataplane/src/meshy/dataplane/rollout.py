@@ -27,6 +27,22 @@ policy_mask [response tokens] bool, in a table made for multi-turn trajectories 
 response is the policy's tokens and the observations' tokens in turn (meshy.recipes.agents.trajectory),
 and the mask marks the policy's. Observation tokens carry 0.0 logprobs and version -1; nothing trains
 on them.
+
+Multi-turn runs replace generate and reward by an environment role, and generation moves to a second
+table, `turns`, with one row per policy turn:
+
+  prompts        ->  problem, ground_truth                (rollout)
+  agent          problem, ground_truth -> prompt_ids, then (once the trajectory has ended) response_ids,
+                 rollout_logprobs, token_versions, finish_reason, truncated, error, policy_mask, reward
+  turns: generate   prompt_ids (the sequence so far), max_new_tokens -> response_ids, rollout_logprobs,
+                    token_versions, finish_reason, truncated, error           (inference, unchanged)
+  turns: observe    the turn and the trajectory so far -> the next turn's row, or the trajectory's
+                    columns in the rollout table                              retires turn rows
+
+A turn row carries the whole trajectory so far (its tokens in prompt_ids, their mask, logprobs and
+versions in policy_mask, history_logprobs and history_versions, the rest in the `trajectory` JSON), so
+any environment process can take the next step of any trajectory, and a process that dies loses
+nothing but the step it was taking (its lease expires and another process takes the turn again).
 """
 
 from collections.abc import Iterable
@@ -51,6 +67,11 @@ TEACHER_TOPK_IDS = "teacher_topk_ids"
 TEACHER_TOPK_LOGPROBS = "teacher_topk_logprobs"
 ROUTED_EXPERTS = "routed_experts"
 POLICY_MASK = "policy_mask"
+PROBLEM = "problem"
+MAX_NEW_TOKENS = "max_new_tokens"
+TRAJECTORY = "trajectory"
+HISTORY_LOGPROBS = "history_logprobs"
+HISTORY_VERSIONS = "history_versions"
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,19 @@ CRITIC_TRAIN_TASK = Task("critic_train", reads=(PROMPT_IDS, RESPONSE_IDS, VALUES
 TEACHER_TASK = Task("teacher", reads=(PROMPT_IDS, RESPONSE_IDS), writes=(TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS))
 REFERENCE_TASK = Task("reference", reads=(PROMPT_IDS, RESPONSE_IDS), writes=(REF_LOGPROBS,))
 TRAIN_TASK = Task("train", reads=(PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS, TOKEN_VERSIONS, ADVANTAGE), retires=True)
+# multi-turn runs
+PROBLEMS_TASK = Task("prompts", writes=(PROBLEM, GROUND_TRUTH))
+AGENT_TASK = Task(
+    "agent",
+    reads=(PROBLEM, GROUND_TRUTH),
+    writes=(PROMPT_IDS, *GENERATE_TASK.writes, POLICY_MASK, REWARD),
+)
+TURN_GENERATE_TASK = GENERATE_TASK.plus(reads=(MAX_NEW_TOKENS,))
+OBSERVE_TASK = Task(
+    "observe",
+    reads=(TRAJECTORY, PROMPT_IDS, POLICY_MASK, HISTORY_LOGPROBS, HISTORY_VERSIONS, *GENERATE_TASK.writes),
+    retires=True,
+)
 
 
 def generate_with(routed_experts: bool = False) -> Task:
@@ -125,7 +159,7 @@ def rollout_table(
     multi_turn: bool = False,
 ) -> TableSpec:
     """tasks: the run's tasks; a row is freed once every one of them that `retires` rows acked it.
-    multi_turn: rows are multi-turn trajectories (a policy_mask column)."""
+    multi_turn: rows are multi-turn trajectories (policy_mask and problem columns)."""
     ragged_int, ragged_float = (None,), (None,)
     columns = [
         Column(PROMPT_IDS, "int64", ragged_int),
@@ -150,8 +184,28 @@ def rollout_table(
     if routed_experts is not None:  # (MoE layers, experts per token)
         columns.append(Column(ROUTED_EXPERTS, "int16", (None, *routed_experts)))
     if multi_turn:
-        columns.append(Column(POLICY_MASK, "bool", ragged_int))
+        columns += [Column(POLICY_MASK, "bool", ragged_int), Column(PROBLEM, "str")]
     retire_after = tuple(dict.fromkeys(task.name for task in tasks if task.retires))
     return TableSpec(
         name, tuple(columns), group_size=group_size, max_row_bytes=max_row_bytes, retire_after=retire_after
     )
+
+
+def turns_table(name: str = "turns", max_row_bytes: int = 64 << 20) -> TableSpec:
+    """One row per policy turn of a multi-turn trajectory (see the module's doc); freed once observed."""
+    ragged_int, ragged_float = (None,), (None,)
+    columns = (
+        Column(TRAJECTORY, "str"),
+        Column(PROMPT_IDS, "int64", ragged_int),
+        Column(MAX_NEW_TOKENS, "int64"),
+        Column(POLICY_MASK, "bool", ragged_int),
+        Column(HISTORY_LOGPROBS, "float32", ragged_float),
+        Column(HISTORY_VERSIONS, "int64", ragged_int),
+        Column(RESPONSE_IDS, "int64", ragged_int),
+        Column(ROLLOUT_LOGPROBS, "float32", ragged_float),
+        Column(TOKEN_VERSIONS, "int64", ragged_int),
+        Column(FINISH_REASON, "str"),
+        Column(TRUNCATED, "bool"),
+        Column(ERROR, "str"),
+    )
+    return TableSpec(name, columns, max_row_bytes=max_row_bytes, retire_after=(OBSERVE_TASK.name,))

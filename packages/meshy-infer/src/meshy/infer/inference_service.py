@@ -17,6 +17,9 @@ row's logits (a batched matmul or attention rounds differently with the batch's 
 only on the rows, not on when each request happened to arrive; that is what makes a lock-step run
 replay token for token.
 
+A table that declares max_new_tokens (the `turns` table of multi-turn runs) caps each row's response
+at its own value too: the token budget its trajectory has left.
+
 A row that cannot be generated (empty prompt, prompt longer than the context, token id outside the
 vocabulary) gets its reason in the `error` column and an empty response, and the service keeps going.
 """
@@ -124,11 +127,12 @@ class InferenceService:
         self._finished_ready = asyncio.Event()
         self._busy_since = 0.0
         self._routing_shape: tuple[int, ...] | None = None  # (layers, top_k) when rows carry routed_experts
+        self._reads = list(cols.GENERATE_TASK.reads)  # + max_new_tokens when the table has a per-row budget
 
     async def run(self, stop: asyncio.Event | None = None, max_rows: int | None = None) -> InferenceStats:
         """Serve until `stop` is set (or `max_rows` rows are written); then finish what is in flight."""
         stop = stop or asyncio.Event()
-        await self._check_routing()
+        await self._check_table()
         watcher = asyncio.create_task(self._watch_weights(stop))
         writer = asyncio.create_task(self._write_finished())
         stream, name = self.config.weights_stream, f"inference-{self.client.consumer_id}-lease"
@@ -147,7 +151,7 @@ class InferenceService:
                     self.client.lease,
                     self.config.table,
                     self.config.task,
-                    list(cols.GENERATE_TASK.reads),
+                    self._reads,
                     count=free,
                     min_count=1,
                     lease_s=self.config.lease_s,
@@ -173,9 +177,12 @@ class InferenceService:
         await self._flush()
         return self.stats
 
-    async def _check_routing(self) -> None:
-        """Rows carry routed_experts iff the table declares the column; then the engine must record it."""
+    async def _check_table(self) -> None:
+        """Rows carry routed_experts iff the table declares the column; then the engine must record it.
+        Rows have a budget of their own iff the table declares max_new_tokens."""
         spec = await asyncio.to_thread(self.client.table, self.config.table)
+        if any(c.name == cols.MAX_NEW_TOKENS for c in spec.columns):
+            self._reads = list(cols.TURN_GENERATE_TASK.reads)
         column = next((c for c in spec.columns if c.name == cols.ROUTED_EXPERTS), None)
         if column is None:
             return
@@ -187,8 +194,10 @@ class InferenceService:
         self._routing_shape = tuple(column.shape[1:])
 
     def _start(self, batch: Batch) -> None:
+        budgets = batch.columns.get(cols.MAX_NEW_TOKENS)
         for i, row_id in enumerate(batch.row_ids):
-            task = asyncio.create_task(self._serve(batch, row_id, batch.columns[cols.PROMPT_IDS][i]))
+            budget = self.config.max_new_tokens if budgets is None else int(budgets[i])
+            task = asyncio.create_task(self._serve(batch, row_id, batch.columns[cols.PROMPT_IDS][i], budget))
             self._in_flight[row_id] = task
             task.add_done_callback(lambda _, row=row_id: self._finish(row))
 
@@ -210,9 +219,9 @@ class InferenceService:
         if not self._in_flight:
             self.stats.busy_s += time.monotonic() - self._busy_since
 
-    async def _serve(self, batch: Batch, row_id: int, prompt: torch.Tensor) -> None:
+    async def _serve(self, batch: Batch, row_id: int, prompt: torch.Tensor, max_new_tokens: int) -> None:
         try:
-            columns = await self._generate(row_id, prompt.tolist())
+            columns = await self._generate(row_id, prompt.tolist(), max_new_tokens)
         except SchemaError as e:
             columns = self._error_columns(str(e))
         except Exception as e:  # the row is reported, the service goes on
@@ -239,13 +248,16 @@ class InferenceService:
             self.stats.rows += len(rows)
             self.stats.errors += sum(v[cols.FINISH_REASON] == FINISH_ERROR for v in values)
 
-    async def _generate(self, row_id: int, prompt: list[int]) -> dict:
+    async def _generate(self, row_id: int, prompt: list[int], max_new_tokens: int) -> dict:
+        """max_new_tokens: the row's own budget (the service's, when rows have none)."""
         cfg = self.config
         if not prompt:
             raise SchemaError("prompt_ids is empty")
         if len(prompt) >= cfg.context_length:
             raise SchemaError(f"prompt of {len(prompt)} tokens does not fit the context of {cfg.context_length}")
-        budget = min(cfg.max_new_tokens, cfg.context_length - len(prompt))
+        if max_new_tokens < 1:
+            raise SchemaError(f"max_new_tokens of the row: expected >= 1, got {max_new_tokens}")
+        budget = min(cfg.max_new_tokens, max_new_tokens, cfg.context_length - len(prompt))
         output, logprobs, versions, routing, attempt = [], [], [], [], 0
         try:
             while True:
