@@ -134,9 +134,10 @@ def test_each_limit_ends_the_trajectory_which_is_kept_with_its_reason():
     assert len(t.response_ids) == len(t.policy_mask) == len(t.logprobs) == len(t.token_versions) > 0
 
 
-@pytest.mark.parametrize(("turns", "tokens", "deadline"), [(0, 10, 1.0), (1, 0, 1.0), (1, 10, 0)])
+@pytest.mark.parametrize(("turns", "tokens", "deadline"), [(0, 10, 1.0), (1001, 10, 1.0), (1, 0, 1.0), (1, 10, 0)])
 def test_limits_that_cannot_be_met_are_refused(turns, tokens, deadline):
-    with pytest.raises(SchemaError, match="agent limits: expected max_turns >= 1, max_tokens >= 1 and deadline_s > 0"):
+    expected = r"agent limits: expected max_turns in 1\.\.1000, max_tokens >= 1 and deadline_s > 0"
+    with pytest.raises(SchemaError, match=expected):
         AgentLimits(turns, tokens, deadline)
 
 

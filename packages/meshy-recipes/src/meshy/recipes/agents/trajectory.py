@@ -9,11 +9,18 @@ trajectory that spans a weight update records which version produced each token.
 
 A trajectory ends when the environment says it is done, or at a limit, and is kept either way with its
 finish reason: MAX_TURNS (the policy took `max_turns` turns), MAX_TOKENS (the sequence after the prompt
-reached `max_tokens`), DEADLINE (the whole trajectory took `deadline_s`), ABORTED (the engine aborted a
-turn: it was closed).
+reached `max_tokens`), DEADLINE (the whole trajectory took `deadline_s`; a turn or a step that ends
+past it is not kept), ABORTED (the engine aborted a turn: it was closed), ERROR (the engine could not
+generate a turn; `error` says why).
+
+`take_turn` is one step: record a policy turn and the environment's answer. `run_trajectory` loops it
+in one process; the environment role (meshy.recipes.roles.environment) takes each step as a row of
+the data plane's `turns` table, in whichever of its processes leases it. The deadline counts wall-clock
+time from `started`, so it holds across processes.
 """
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,7 +32,9 @@ from meshy.recipes.agents.environment import Environment
 from meshy.recipes.tasks.chat_templates import observation, render
 
 DONE, MAX_TURNS, MAX_TOKENS, DEADLINE, ABORTED = "done", "max-turns", "max-tokens", "deadline", "aborted"
+ERROR = "error"  # the engine's finish reason for a turn it could not generate (the inference service's)
 NO_VERSION = -1  # the weights version of an observation token (no policy produced it)
+TURN_LIMIT = 1000  # the most turns a trajectory may take (max_turns)
 
 # (input ids, max new tokens) -> the engine's generation of one policy turn
 Generate = Callable[[list[int], int], Awaitable[Generation]]
@@ -44,9 +53,9 @@ class AgentLimits:
     deadline_s: float
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_tokens < 1 or not self.deadline_s > 0:
+        if not 1 <= self.max_turns <= TURN_LIMIT or self.max_tokens < 1 or not self.deadline_s > 0:
             raise SchemaError(
-                f"agent limits: expected max_turns >= 1, max_tokens >= 1 and deadline_s > 0, got "
+                f"agent limits: expected max_turns in 1..{TURN_LIMIT}, max_tokens >= 1 and deadline_s > 0, got "
                 f"{self.max_turns!r}, {self.max_tokens!r}, {self.deadline_s!r}"
             )
 
@@ -64,6 +73,12 @@ class Trajectory:
     tool_calls: Counter = field(default_factory=Counter)  # by tool name ("" for malformed calls)
     tool_errors: Counter = field(default_factory=Counter)  # by kind (meshy.recipes.agents.tools)
     tool_seconds: list[float] = field(default_factory=list)
+    error: str = ""  # why the engine could not generate a turn (finish reason ERROR)
+    started: float = field(default_factory=time.time)  # wall clock: the deadline counts from here
+
+    def budget(self, limits: AgentLimits) -> int:
+        """Tokens the next turn may generate."""
+        return limits.max_tokens - len(self.response_ids)
 
     def _append(self, ids: list[int], policy: bool, logprobs: list[float], versions: list[int]) -> None:
         self.response_ids += ids
@@ -82,47 +97,71 @@ async def run_trajectory(
     enable_thinking: bool | None = None,
 ) -> Trajectory:
     """Play one trajectory of `env` on `problem` with the policy behind `generate`."""
-    messages = await env.reset(problem)
-    prompt = render(template, messages, tools=env.tool_schemas(), enable_thinking=enable_thinking)
-    trajectory = Trajectory(tokenizer.encode(prompt))
+    trajectory = await open_trajectory(env, problem, tokenizer, template, enable_thinking)
     try:
         async with asyncio.timeout(limits.deadline_s):
-            reason = await _turns(env, generate, tokenizer, template, limits, enable_thinking, trajectory)
-        trajectory.finish_reason = reason
+            going = True
+            while going:
+                turn = await generate(trajectory.prompt_ids + trajectory.response_ids, trajectory.budget(limits))
+                going = await take_turn(trajectory, turn, env, tokenizer, template, limits, enable_thinking)
     except TimeoutError:
         trajectory.finish_reason = DEADLINE
     return trajectory
 
 
-async def _turns(
+async def open_trajectory(
+    env: Environment, problem: Any, tokenizer: Tokenizer, template: str, enable_thinking: bool | None = None
+) -> Trajectory:
+    """A new trajectory: `env` reset to `problem`, its conversation and tools rendered as the prompt."""
+    messages = await env.reset(problem)
+    prompt = render(template, messages, tools=env.tool_schemas(), enable_thinking=enable_thinking)
+    return Trajectory(tokenizer.encode(prompt))
+
+
+async def take_turn(
+    trajectory: Trajectory,
+    turn: Generation,
     env: Environment,
-    generate: Generate,
     tokenizer: Tokenizer,
     template: str,
     limits: AgentLimits,
-    enable_thinking: bool | None,
-    trajectory: Trajectory,
-) -> str:
-    """Policy turn, then observation, until the environment is done or a limit is reached; the reason."""
-    while True:
-        budget = limits.max_tokens - len(trajectory.response_ids)
-        turn = await generate(trajectory.prompt_ids + trajectory.response_ids, budget)
-        trajectory._append(turn.output_ids, True, turn.logprobs, turn.token_versions)
-        trajectory.turns += 1
-        if turn.finish_reason != FINISH_STOP:  # the turn is not finished: cut by the token budget, or aborted
-            return MAX_TOKENS if turn.finish_reason == FINISH_LENGTH else ABORTED
-        step = await env.step(tokenizer.decode(turn.output_ids))
-        trajectory.reward += step.reward
-        for call in step.calls:
-            trajectory.tool_calls[call.name] += 1
-            trajectory.tool_seconds.append(call.seconds)
-            if call.error is not None:
-                trajectory.tool_errors[call.error] += 1
-        if step.done:
-            return DONE
-        if trajectory.turns >= limits.max_turns:
-            return MAX_TURNS
+    enable_thinking: bool | None = None,
+    error: str = "",
+) -> bool:
+    """Record one policy turn (`turn`, generated from the trajectory so far) and the environment's answer
+    to it. True while the trajectory goes on; once it has ended, its finish_reason says why. error: the
+    engine's reason when it could not generate the turn (finish reason ERROR)."""
+    left = trajectory.started + limits.deadline_s - time.time()
+    if left <= 0:
+        trajectory.finish_reason = DEADLINE
+        return False
+    trajectory._append(turn.output_ids, True, turn.logprobs, turn.token_versions)
+    trajectory.turns += 1
+    if turn.finish_reason != FINISH_STOP:  # the turn is not finished: cut by the token budget, aborted, failed
+        trajectory.error = error
+        reasons = {FINISH_LENGTH: MAX_TOKENS, ERROR: ERROR}
+        trajectory.finish_reason = reasons.get(turn.finish_reason, ABORTED)
+        return False
+    try:
+        async with asyncio.timeout(left):
+            step = await env.step(tokenizer.decode(turn.output_ids))
+    except TimeoutError:
+        trajectory.finish_reason = DEADLINE
+        return False
+    trajectory.reward += step.reward
+    for call in step.calls:
+        trajectory.tool_calls[call.name] += 1
+        trajectory.tool_seconds.append(call.seconds)
+        if call.error is not None:
+            trajectory.tool_errors[call.error] += 1
+    if step.done:
+        trajectory.finish_reason = DONE
+    elif trajectory.turns >= limits.max_turns:
+        trajectory.finish_reason = MAX_TURNS
+    else:
         shown = tokenizer.encode(observation(template, step.results, enable_thinking=enable_thinking))
         if len(trajectory.response_ids) + len(shown) >= limits.max_tokens:  # no room for another turn
-            return MAX_TOKENS
-        trajectory._append(shown, False, [0.0] * len(shown), [NO_VERSION] * len(shown))
+            trajectory.finish_reason = MAX_TOKENS
+        else:
+            trajectory._append(shown, False, [0.0] * len(shown), [NO_VERSION] * len(shown))
+    return not trajectory.finish_reason
