@@ -118,6 +118,24 @@ def test_the_embedded_default_loads_and_resolves():
             lambda t: t.replace("pacing = 1", "pacing = 1\nrouting_replay = 1"),
             "AlgorithmSpec.routing_replay: expected bool, got int 1",
         ),
+        (
+            lambda t: t + "\n[roles.environment]\nprocesses = 1\n",
+            "[roles.environment]: the environment role plays a multi-turn task; expected task.environment",
+        ),
+        (
+            lambda t: t.replace("[task]", f"[task]\n{CALCULATOR}"),
+            "task.environment: 'meshy.recipes.tasks.calculator:environment' makes the run multi-turn; expected a "
+            "[roles.environment] section",
+        ),
+        (
+            lambda t: multi_turn(t).replace('kind = "grpo"', 'kind = "ppo"') + "\n[roles.critic]\nprocesses = 1\n",
+            "algorithm.kind: multi-turn runs (task.environment) train with GRPO over whole trajectories; expected "
+            'algorithm.kind = "grpo"',
+        ),
+        (lambda t: multi_turn(t) + '\n[agent]\ntemplate = "chatml"\n', "template: unknown chat template 'chatml'"),
+        (lambda t: multi_turn(t) + "\n[agent]\nmax_turns = 0\n", "agent limits: expected max_turns in 1..1000"),
+        (lambda t: multi_turn(t) + "\n[agent]\ntool_timeout_s = 0\n", "tool_timeout_s: expected a finite number"),
+        (lambda t: multi_turn(t) + "\n[agent]\nmax_turn = 2\n", "recipe.agent: unknown field 'max_turn'"),
         (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
         (lambda t: t + '\n[[roles.custom]]\ncls = "x:Y"\n', "recipe.roles.custom[0]: missing field 'name'"),
         (lambda t: t + '\n[roles.custom]\nname = "judge"\n', "RolesSpec.custom: expected tuple[CustomRoleSpec, ...]"),
@@ -131,6 +149,29 @@ def test_bad_recipes_get_one_error_naming_the_field(tmp_path, edit, needle):
     with pytest.raises(SchemaError) as err:
         recipe_from(tmp_path, edit(DEFAULT))
     assert needle in str(err.value)
+
+
+CALCULATOR = 'environment = "meshy.recipes.tasks.calculator:environment"'
+
+
+def multi_turn(text: str) -> str:
+    """The default recipe with a multi-turn task and the role that plays it."""
+    return text.replace("[task]", f"[task]\n{CALCULATOR}") + "\n[roles.environment]\nprocesses = 1\n"
+
+
+def test_a_multi_turn_recipe_runs_an_environment_role_and_a_turns_table(tmp_path):
+    from meshy.dataplane import rollout as cols
+    from meshy.recipes.dataflow import recipe_tasks, tables
+
+    recipe = recipe_from(tmp_path, multi_turn(DEFAULT))
+    assert recipe.multi_turn and recipe.world_size == 4
+    assert [s.role for s in assign(recipe, 4).values()] == ["training", "inference", "rollout", "environment"]
+    rollout, turns = tables(recipe)
+    assert {cols.POLICY_MASK, cols.PROBLEM} <= {c.name for c in rollout.columns}
+    assert turns.name == "turns" and turns.retire_after == ("observe",)
+    names = [t.name for t in recipe_tasks(recipe)]
+    assert "agent" in names and "generate" not in names and "reward" not in names
+    assert [spec.name for spec in tables(recipe_from(tmp_path, DEFAULT))] == [rollout.name]
 
 
 def with_reference(text: str) -> str:

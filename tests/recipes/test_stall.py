@@ -47,7 +47,7 @@ def test_the_stall_report_names_the_columns_rows_wait_for_and_each_role_s_last_r
     quiet = {"time": time.time() - 120, "kind": "scoring", "rows": 2}
     (tmp_path / "records" / "scorer-0.jsonl").write_text(json.dumps(quiet) + "\n")
 
-    report = Watchdog(client, table, tmp_path, stall_after_s=60).report()
+    report = Watchdog(client, [table], tmp_path, stall_after_s=60).report()
     assert report.startswith("meshy: the run made no progress for 60 s"), report
     assert "task generate (needs prompt_ids): 2 rows ready\n    1 rows leased by test-" in report, report
     waits = report[report.index("  task train (needs ") :]

@@ -10,17 +10,28 @@ from meshy.dataplane import rollout as cols
 if TYPE_CHECKING:
     from meshy.recipes.recipe import Recipe
 
+TURNS = cols.turns_table().name  # a multi-turn run's second table: one row per policy turn
+
 
 def recipe_tasks(recipe: "Recipe") -> tuple[cols.Task, ...]:
-    """The built-in tasks the recipe's algorithm runs, then one per custom role that names a task."""
+    """The built-in tasks the recipe's algorithm runs, then one per custom role that names a task. A
+    multi-turn run's environment role takes the place of generate and reward (its turns are generated
+    in a table of their own: meshy.dataplane.rollout)."""
     algo = recipe.algorithm
     replay, critic, distill = algo.routing_replay, algo.kind == "ppo", algo.kind == "distill"
-    tasks = [
-        cols.PROMPTS_TASK,
-        cols.generate_with(routed_experts=replay),
-        cols.REWARD_TASK,
+    if recipe.multi_turn:
+        tasks = [cols.PROBLEMS_TASK, cols.AGENT_TASK]
+    else:
+        tasks = [cols.PROMPTS_TASK, cols.generate_with(routed_experts=replay), cols.REWARD_TASK]
+    tasks += [
         cols.advantage_with(values=critic),
-        cols.train_with(reward=True, teacher=distill, reference=algo.loss.kl_coef > 0, routed_experts=replay),
+        cols.train_with(
+            reward=True,
+            teacher=distill,
+            reference=algo.loss.kl_coef > 0,
+            routed_experts=replay,
+            policy_mask=recipe.multi_turn,
+        ),
     ]
     if critic:
         tasks += [cols.CRITIC_VALUES_TASK, cols.CRITIC_TRAIN_TASK]
@@ -66,7 +77,13 @@ def rollout_table(recipe: "Recipe") -> TableSpec:
         teacher_topk=algo.teacher_topk if algo.kind == "distill" else 0,
         routed_experts=(arch.num_hidden_layers, arch.num_experts_per_tok) if algo.routing_replay else None,
         tasks=recipe_tasks(recipe),
+        multi_turn=recipe.multi_turn,
     )
     return TableSpec(
         base.name, (*base.columns, *recipe.extra_columns), base.group_size, base.max_row_bytes, base.retire_after
     )
+
+
+def tables(recipe: "Recipe") -> list[TableSpec]:
+    """Every table of the run: the rollout table, and the turns table of a multi-turn run."""
+    return [rollout_table(recipe)] + [cols.turns_table()] * recipe.multi_turn

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from meshy.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer, Endpoints, secret_from_env
 from meshy.recipes.context import RoleContext, announce_stop
-from meshy.recipes.dataflow import rollout_table
+from meshy.recipes.dataflow import tables
 from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.topology import Slot, assign
@@ -37,6 +37,7 @@ def role_class(recipe: Recipe, slot: Slot) -> type:
         "training": "meshy.recipes.roles.training:TrainingRole",
         "inference": "meshy.recipes.roles.inference:InferenceRole",
         "rollout": "meshy.recipes.roles.rollout:RolloutRole",
+        "environment": "meshy.recipes.roles.environment:EnvironmentRole",
         "critic": "meshy.recipes.roles.critic:CriticRole",
         "teacher": "meshy.recipes.roles.teacher:TeacherRole",
         "reference": "meshy.recipes.roles.reference:ReferenceRole",
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             server = DataPlaneServer.start(secret, recipe.dataplane, log=log)
         server.publish(store)
     client = DataPlaneClient(Endpoints.from_store(store), secret, recipe.dataplane, name=f"{slot.role}{slot.index}")
-    client.create_table(rollout_table(recipe))
+    for spec in tables(recipe):
+        client.create_table(spec)
     if slot.count > 1:
         init_process_group(
             slot.device,
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     weight_sync = join_weight_sync(recipe, slot, store)
     ctx = RoleContext(recipe, slot, directory, client, weight_sync=weight_sync)
     ctx.record("start", rank=rank, pid=os.getpid(), dataplane=server.pids if server is not None else None)
-    watchdog = Watchdog(client, ctx.table, directory, recipe.stall_after_s) if server is not None else None
+    watched = [spec.name for spec in tables(recipe)]
+    watchdog = Watchdog(client, watched, directory, recipe.stall_after_s) if server is not None else None
     if watchdog is not None:
         watchdog.start()
     failed = False

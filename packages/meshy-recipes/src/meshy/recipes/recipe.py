@@ -17,13 +17,15 @@ from typing import Any, Literal
 from meshy.dataplane import Column, DataPlaneConfig, SchemaError
 from meshy.dataplane.fields import check_fields
 from meshy.infer.engine import SamplingParams
+from meshy.recipes.agents.trajectory import AgentLimits
 from meshy.recipes.dataflow import check_dataflow
 from meshy.recipes.pretrained import check_init
+from meshy.recipes.tasks.chat_templates import TEMPLATES
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig
 from meshy.train.trainer import LossConfig, OptimConfig
 
-BUILTIN_ROLES = ("training", "inference", "rollout", "critic", "teacher", "reference")
+BUILTIN_ROLES = ("training", "inference", "rollout", "environment", "critic", "teacher", "reference")
 RING_ROLES = ("training", "inference")  # the roles that hand devices over through a GPU token ring
 DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
 
@@ -91,12 +93,14 @@ class CustomRoleSpec:
 
 @dataclass(frozen=True)
 class RolesSpec:
-    """The run's roles. critic: PPO's learned values. teacher: online policy distillation's top-k.
-    reference: the frozen initial policy, scoring every response for KL to it (algorithm.loss.kl_coef)."""
+    """The run's roles. environment: plays multi-turn trajectories (task.environment). critic: PPO's
+    learned values. teacher: online policy distillation's top-k. reference: the frozen initial policy,
+    scoring every response for KL to it (algorithm.loss.kl_coef)."""
 
     training: RoleSpec = field(default_factory=RoleSpec)
     inference: RoleSpec = field(default_factory=RoleSpec)
     rollout: RoleSpec = field(default_factory=RoleSpec)
+    environment: RoleSpec | None = None
     critic: RoleSpec | None = None
     teacher: RoleSpec | None = None
     reference: RoleSpec | None = None
@@ -141,19 +145,50 @@ class ModelSpec:
 @dataclass(frozen=True)
 class TaskSpec:
     """Import paths of the tokenizer factory (called with tokenizer_options), the problem stream (called
-    with seed and options) and the reward function (response text, ground truth -> float)."""
+    with seed and options; problems have .prompt and .answer) and the reward function (response text,
+    ground truth -> float). environment: a multi-turn task's environment factory, called with
+    tool_timeout_s (the recipe's [agent]) and environment_options for a fresh environment; its
+    trajectories are rewarded by the environment, and `reward` is not used."""
 
     tokenizer: str = "meshy.recipes.tasks.arithmetic:tokenizer"
     problems: str = "meshy.recipes.tasks.arithmetic:problems"
     reward: str = "meshy.recipes.tasks.arithmetic:exact_match"
     options: dict = field(default_factory=dict)
     tokenizer_options: dict = field(default_factory=dict)
+    environment: str = ""
+    environment_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for name in ("tokenizer", "problems", "reward"):
+        for name in ("tokenizer", "problems", "reward") + ("environment",) * bool(self.environment):
             if ":" not in getattr(self, name):
                 raise SchemaError(f"{name}: {getattr(self, name)!r} is not 'package.module:name'")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """Multi-turn trajectories (task.environment): the chat template that renders the conversation and
+    its tool results, and the limits: max_turns policy turns, max_tokens policy and observation tokens
+    after the prompt, tool_timeout_s per tool call, deadline_s per trajectory (wall clock). A turn
+    generates at most sampling.max_new_tokens of them."""
+
+    template: str = "qwen3"
+    enable_thinking: bool | None = None
+    max_turns: int = 4
+    max_tokens: int = 512
+    tool_timeout_s: float = 5.0
+    deadline_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.template not in TEMPLATES:
+            raise SchemaError(f"template: unknown chat template {self.template!r}; expected one of {TEMPLATES}")
+        if not 0 < self.tool_timeout_s < math.inf:
+            raise SchemaError(f"tool_timeout_s: expected a finite number of seconds > 0, got {self.tool_timeout_s}")
+        self.limits()
+
+    def limits(self) -> AgentLimits:
+        return AgentLimits(self.max_turns, self.max_tokens, self.deadline_s)
 
 
 @dataclass(frozen=True)
@@ -273,6 +308,7 @@ class Recipe:
     task: TaskSpec = field(default_factory=TaskSpec)
     algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    agent: AgentSpec = field(default_factory=AgentSpec)
     roles: RolesSpec = field(default_factory=RolesSpec)
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
 
@@ -291,6 +327,8 @@ class Recipe:
         if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
             raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
         self._check_reference(roles)
+        if self.multi_turn or "environment" in roles:
+            self._check_multi_turn(roles)
         if self.publish == "collective":
             self._check_collective()
         elif self.delta:
@@ -375,6 +413,33 @@ class Recipe:
                 f"algorithm.loss.temperature: the reference role scores at temperature 1, so KL to it "
                 f"(algorithm.loss.kl_coef) needs temperature = 1, got {loss.temperature}"
             )
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the run's trajectories are multi-turn, played by an environment role."""
+        return bool(self.task.environment)
+
+    def _check_multi_turn(self, roles: dict) -> None:
+        if not self.multi_turn:
+            raise SchemaError(
+                "[roles.environment]: the environment role plays a multi-turn task; expected task.environment "
+                "(its environment factory), or no [roles.environment] section"
+            )
+        if "environment" not in roles:
+            raise SchemaError(
+                f"task.environment: {self.task.environment!r} makes the run multi-turn; expected a "
+                "[roles.environment] section, the role that plays its trajectories"
+            )
+        for name, unsupported in (
+            ("algorithm.kind", self.algorithm.kind != "grpo"),
+            ("algorithm.routing_replay", self.algorithm.routing_replay),
+            ("algorithm.overlong_buffer", self.algorithm.overlong_buffer > 0),
+        ):
+            if unsupported:
+                raise SchemaError(
+                    f"{name}: multi-turn runs (task.environment) train with GRPO over whole trajectories; expected "
+                    'algorithm.kind = "grpo", no routing_replay and overlong_buffer = 0'
+                )
 
     def _check_routing_replay(self) -> None:
         arch = self.model.arch()

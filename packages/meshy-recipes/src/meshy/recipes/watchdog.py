@@ -26,8 +26,8 @@ POLL_S = 1.0
 
 
 class Watchdog:
-    def __init__(self, client: DataPlaneClient, table: str, run_dir: Path, stall_after_s: float):
-        self.client, self.table, self.run_dir, self.stall_after_s = client, table, run_dir, stall_after_s
+    def __init__(self, client: DataPlaneClient, tables: list[str], run_dir: Path, stall_after_s: float):
+        self.client, self.tables, self.run_dir, self.stall_after_s = client, tables, run_dir, stall_after_s
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="meshy-watchdog", daemon=True)
 
@@ -39,9 +39,9 @@ class Watchdog:
         self._done.set()
 
     def _progress(self) -> tuple[str, int]:
-        """The table's counts (rows, leases, each task's ready, leased and done) and the number of
+        """The tables' counts (rows, leases, each task's ready, leased and done) and the number of
         versions published so far."""
-        stats = self.client.table_stats(self.table)
+        stats = [self.client.table_stats(table) for table in self.tables]
         return json.dumps(stats, sort_keys=True), self.client.stream_stats(WEIGHTS_STREAM)["next"] - 1
 
     def _watch(self) -> None:
@@ -63,8 +63,10 @@ class Watchdog:
         lines = [
             f"meshy: the run made no progress for {self.stall_after_s:.0f} s (no rows moved, no version was published)"
         ]
-        for task, state in sorted(self.client.table_waiting(self.table).items()):
-            lines.append(f"  task {task} (needs {', '.join(state['columns'])}): {state['ready']} rows ready")
+        waiting = [(t, task, state) for t in self.tables for task, state in self.client.table_waiting(t).items()]
+        for table, task, state in sorted(waiting, key=lambda w: w[:2]):
+            where = f"{task}" if len(self.tables) == 1 else f"{table}: {task}"
+            lines.append(f"  task {where} (needs {', '.join(state['columns'])}): {state['ready']} rows ready")
             for lease in state["leases"]:
                 lines.append(f"    {lease['rows']} rows leased by {lease['consumer']} for {lease['held_s']:.0f} s")
             for columns, rows in sorted(state["missing"].items()):

@@ -4,6 +4,10 @@
 takes the text of one policy turn and gives the tool results to show next, a reward, and whether the
 trajectory is done. ToolEnvironment is the usual one: a turn that calls tools gets their results (every
 call of a turn runs concurrently), a turn that calls none is the final answer and is scored.
+
+In a run, each step may be taken by another process than the last (meshy.recipes.roles.environment):
+a fresh environment is reset to the problem before every step, so `step` may depend on the problem
+and the turn's text, never on state an earlier step left behind.
 """
 
 import asyncio

@@ -7,6 +7,7 @@ from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, Published
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
 from meshy.recipes.colocation import join_ring, record_released
 from meshy.recipes.context import RoleContext
+from meshy.recipes.dataflow import TURNS
 from meshy.recipes.engines import build_engine
 
 
@@ -66,8 +67,9 @@ class InferenceRole:
             return
         version, source = first
         engine = build_engine(ctx, source, colocate=ctx.slot.ring is not None, version=version)
+        multi_turn = ctx.recipe.multi_turn
         config = InferenceServiceConfig(
-            table=ctx.table,
+            table=TURNS if multi_turn else ctx.table,
             max_in_flight=sampling.max_in_flight,
             max_new_tokens=sampling.max_new_tokens,
             context_length=sampling.context_length,
@@ -76,7 +78,8 @@ class InferenceRole:
             top_k=sampling.top_k,
             seed=ctx.recipe.seed * 1000 + ctx.slot.index,
             # Lock-step with the pure-torch engine replays token for token when batches do not hang on timing.
-            waves=ctx.recipe.algorithm.window == 1 and sampling.engine == "torch",
+            # (Turns of multi-turn trajectories arrive as tools answer: waves would make each wait for the others.)
+            waves=ctx.recipe.algorithm.window == 1 and sampling.engine == "torch" and not multi_turn,
         )
         service = InferenceService(ctx.client, engine, config, weight_sync=ctx.weight_sync)
 

@@ -5,6 +5,10 @@ Pacing: after the trainer has published g versions (v0 included), rollout may ha
 lock-step, W = k lets rollout run k - 1 versions ahead, W = "none" is bounded only by `FREE_BATCHES`
 batches in flight.
 
+In a multi-turn run (task.environment), a row is a problem to play (its text and ground truth): the
+environment role renders the prompt, plays the trajectory and writes its reward, so rollout neither
+tokenizes nor scores.
+
 Rewards are per row; advantages need whole groups (GRPO: the group's mean, optionally its std). A row
 the trainer should skip (dynamic sampling: its group's rewards are all equal) gets an empty advantage.
 """
@@ -45,7 +49,7 @@ class RolloutRole:
         self.ctx.watch_for_stop()
         workers = [
             threading.Thread(target=self._guarded(f), name=f"meshy-{f.__name__}", daemon=True)
-            for f in (self.produce, self.score, self.advantages)
+            for f in (self.produce, self.advantages) + (() if self.ctx.recipe.multi_turn else (self.score,))
         ]
         for worker in workers:
             worker.start()
@@ -90,19 +94,22 @@ class RolloutRole:
     def _write_batch(self, batch: int) -> None:
         algo, slot = self.ctx.recipe.algorithm, self.ctx.slot
         per_process = algo.prompts_per_step // slot.count
+        multi_turn = self.ctx.recipe.multi_turn
         rows, groups, prompts, truths = [], [], [], []
         for p in range(per_process):
             group = (batch * algo.prompts_per_step) + slot.index * per_process + p
             problem = next(self.problems)
-            ids = torch.tensor(self.tokenizer.encode(problem.prompt), dtype=torch.int64, device=HOST)
+            if multi_turn:  # the environment role renders it
+                prompt = problem.prompt
+            else:
+                prompt = torch.tensor(self.tokenizer.encode(problem.prompt), dtype=torch.int64, device=HOST)
             for k in range(algo.group_size):
                 rows.append(group * algo.group_size + k)
                 groups.append(group)
-                prompts.append(ids)
+                prompts.append(prompt)
                 truths.append(problem.answer)
-        self.ctx.client.put(
-            self.ctx.table, rows, {cols.PROMPT_IDS: prompts, cols.GROUND_TRUTH: truths}, group_ids=groups
-        )
+        prompt_column = cols.PROBLEM if multi_turn else cols.PROMPT_IDS
+        self.ctx.client.put(self.ctx.table, rows, {prompt_column: prompts, cols.GROUND_TRUTH: truths}, group_ids=groups)
         self.rows_written += len(rows)
 
     # ---- rewards ------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class TrainingRole:
             critic_warmup_versions=algo.critic_warmup_versions,
             report_reward=True,
             routing_replay=algo.routing_replay,
+            policy_mask=recipe.multi_turn,
         )
         self.service = TrainingService(
             ctx.client,
