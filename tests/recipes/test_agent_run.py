@@ -11,11 +11,12 @@ from tests.recipes.test_pipeline import records, run
 STEPS, GROUPS, GROUP = 3, 4, 4
 
 
-def agent_recipe(tmp_path: Path, environments: int = 2) -> Path:
+def agent_recipe(tmp_path: Path, environments: int = 2, steps: int = STEPS, top: str = "") -> Path:
+    """A multi-turn run of the echo task on a tiny model from scratch, with an auditor of every row."""
     path = tmp_path / "recipe.toml"
-    path.write_text(f"""
+    path.write_text(f"""{top}
 name = "agent-echo"
-steps = {STEPS}
+steps = {steps}
 run_dir = "{tmp_path}"
 
 [model]
@@ -36,6 +37,7 @@ enable_thinking = false
 group_size = {GROUP}
 prompts_per_step = {GROUPS}
 pacing = 2
+max_staleness = 1  # a group whose trajectories finish late is trained later, by then maybe 2 versions behind
 
 [sampling]
 max_new_tokens = 40

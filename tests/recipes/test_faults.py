@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.recipes.test_agent_run import agent_recipe
 from tests.recipes.test_pipeline import REPO, check_run, kill_tree, records, small_recipe, start_time
 
 STEPS = 10
@@ -59,6 +60,30 @@ def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss
     recipe = small_recipe(tmp_path, "1", top=f'publish = "{publish}"\n{kept}', steps=STEPS)
     text = re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 2", recipe.read_text(), flags=re.M)
     recipe.write_text(text.replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2"))
+    run_dir, _ = kill_and_resume(tmp_path, recipe, target, torn_in="hf_versions" if kept else "weights")
+    if kept:
+        assert sorted(p.name for p in (run_dir / "hf_versions").iterdir()) == [f"v{v:06d}" for v in range(STEPS + 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["environment-0", "inference-0"])
+def test_killing_a_process_of_a_multi_turn_run_mid_trajectory_loses_no_trajectory_after_resume(tmp_path, target):
+    """The environment role (or the engine) dies with trajectories between turns; the resumed run trains
+    every trajectory of every version once, and each is still token exact (the auditor's checks)."""
+    recipe = agent_recipe(tmp_path, steps=STEPS, top="checkpoint_every = 2\n")
+    run_dir, restored = kill_and_resume(tmp_path, recipe, target, torn_in="weights", max_staleness=1, enforced=True)
+    audits = [r for r in records(run_dir, "auditor-0") if r["kind"] == "audit"]
+    assert [a for a in audits if a["problems"]] == []
+    played = [r for i in range(2) for r in records(run_dir, f"environment-{i}") if r["kind"] == "trajectory"]
+    assert {t["row"] for t in played} >= set(range(restored * 16, STEPS * 16)), "every resumed row was played"
+
+
+def kill_and_resume(
+    tmp_path: Path, recipe: Path, target: str, torn_in: str, max_staleness: int = 0, enforced: bool = False
+) -> tuple[Path, int]:
+    """Run `recipe`, SIGKILL `target` after version 3, check the run stops naming the resume command,
+    resume it (with a torn version directory planted in `torn_in`, as a kill mid-write leaves), and
+    check the ledger of the resumed run; the run directory and the version it resumed at."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(
         [*COMMAND, str(recipe)],
@@ -82,14 +107,13 @@ def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss
     assert f"with: meshy run --resume {run_dir}" in stderr
     assert stopped_after < STOP_WITHIN_S
     restored = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
-    torn = run_dir / ("hf_versions" if kept else "weights") / f".v{restored + 1:06d}.tmp1"  # as a kill mid-write leaves
+    torn = run_dir / torn_in / f".v{restored + 1:06d}.tmp1"
     torn.mkdir(parents=True, exist_ok=True)
     resumed = subprocess.run([*COMMAND, "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
-    check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
+    check_run(run_dir, max_staleness, resumed_at=restored, steps=STEPS, enforced=enforced)
     assert not torn.exists()
-    if kept:
-        assert sorted(p.name for p in (run_dir / "hf_versions").iterdir()) == [f"v{v:06d}" for v in range(STEPS + 1)]
+    return run_dir, restored
 
 
 def children(pid: int) -> list[int]:
