@@ -5,6 +5,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from meshy.recipes.inspect_run import report
 from tests.recipes.agent_task import SmallTokenizer
 from tests.recipes.test_pipeline import records, run
 
@@ -75,5 +76,12 @@ def test_trajectories_are_played_through_the_turns_table_token_exact_and_trained
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for m in metrics for r in m["row_ids"]] + [d["row"] for m in metrics for d in m["dropped"]]
     assert sorted(trained) == list(range(rows)), "every trajectory trained once"
+    audit = report(run_dir).splitlines()
+    turns = Counter(t["turns"] for t in played)
+    line = next(line for line in audit if line.startswith("trajectories "))
+    assert line.startswith(
+        f"trajectories {len(played)}: turns " + ", ".join(f"{k}: {n}" for k, n in sorted(turns.items()))
+    )
+    assert "tool calls 0; errors none" in audit
     steppers = [records(run_dir, f"environment-{i}")[-1] for i in range(2)]
     assert all(s["kind"] == "environment" and s["turns"] > 0 for s in steppers), "both processes took steps"

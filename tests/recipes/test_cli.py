@@ -90,3 +90,28 @@ def test_meshy_inspect_reports_what_each_process_kept_on_its_gpu_after_handing_i
     text = report(tmp_path)
     assert "training-0: handed its GPU over 3 times, keeping at most 6 MiB reserved" in text
     assert "rollout-0: handed" not in text
+
+
+def test_meshy_inspect_counts_a_multi_turn_run_s_turns_tool_calls_errors_and_latency(tmp_path):
+    from meshy.recipes.inspect_run import report
+
+    (tmp_path / "records").mkdir()
+
+    def trajectory(time, row, turns, reason, calls, errors, seconds):
+        return {"kind": "trajectory", "time": time, "row": row, "turns": turns, "finish_reason": reason,
+                "tool_calls": calls, "tool_errors": errors, "tool_seconds": seconds, "reward": 0.0}  # fmt: skip
+
+    first = [
+        trajectory(1.0, 1, 3, "done", {"calculator": 2}, {}, [0.1, 0.3]),
+        trajectory(3.0, 0, 2, "done", {"calculator": 1}, {"timeout": 1}, [5.0]),  # the resumed run's play
+    ]
+    second = [
+        trajectory(2.0, 0, 1, "max-tokens", {}, {}, []),  # played again by the resumed run: not counted
+        trajectory(2.5, 2, 3, "max-turns", {"calculator": 1, "": 1}, {"malformed": 1}, [0.2, 0.0]),
+    ]
+    for name, lines in (("environment-0", first), ("environment-1", second)):
+        (tmp_path / "records" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    lines = report(tmp_path).splitlines()
+    assert "trajectories 3: turns 2: 1, 3: 2 (mean 2.67); finished done 2, max-turns 1" in lines
+    assert "tool calls 5, calculator 4, (malformed) 1; errors timeout 1, malformed 1" in lines
+    assert "tool latency: median 0.200 s, p95 5.000 s, max 5.000 s" in lines

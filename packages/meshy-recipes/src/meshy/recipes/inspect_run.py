@@ -1,6 +1,9 @@
-"""`meshy inspect RUN_DIR`: the control-stream audit and the staleness histogram, from a run's records."""
+"""`meshy inspect RUN_DIR`: the control-stream audit and the staleness histogram, from a run's records;
+for a multi-turn run also its trajectories (turns, finish reasons) and tool calls (by name, errors by
+kind, latency)."""
 
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -83,7 +86,39 @@ def report(run_dir: str | Path) -> str:
         f"rows trained {trained_rows}, dropped {sum(reasons.values())}"
         + "".join(f"\n  dropped: {n} x {reason}" for reason, n in reasons.most_common())
     )
+    out += _trajectories(run_dir)
     rewards = [m["reward_mean"] for m in metrics if m.get("reward_mean") is not None]
     if rewards:
         out.append(f"mean reward: first {rewards[0]:.3f}, last {rewards[-1]:.3f}, best {max(rewards):.3f}")
     return "\n".join(out)
+
+
+def _trajectories(run_dir: Path) -> list[str]:
+    """The environment role's trajectories: one per rollout row, the last played (a resumed run plays
+    again the rows its checkpoint had not trained)."""
+    records = [r for path in (run_dir / "records").glob("environment-*.jsonl") for r in _lines(path)]
+    played = {r["row"]: r for r in sorted(records, key=lambda r: r["time"]) if r["kind"] == "trajectory"}
+    if not played:
+        return []
+    trajectories = list(played.values())
+    turns = Counter(t["turns"] for t in trajectories)
+    reasons = Counter(t["finish_reason"] for t in trajectories)
+    calls, errors = Counter(), Counter()
+    for t in trajectories:
+        calls.update(t["tool_calls"])
+        errors.update(t["tool_errors"])
+    seconds = sorted(s for t in trajectories for s in t["tool_seconds"])
+    out = [
+        f"trajectories {len(trajectories)}: turns "
+        + ", ".join(f"{k}: {n}" for k, n in sorted(turns.items()))
+        + f" (mean {statistics.fmean(t['turns'] for t in trajectories):.2f}); finished "
+        + ", ".join(f"{reason} {n}" for reason, n in reasons.most_common()),
+        f"tool calls {sum(calls.values())}"
+        + "".join(f", {name or '(malformed)'} {n}" for name, n in calls.most_common())
+        + "; errors "
+        + (", ".join(f"{kind} {n}" for kind, n in errors.most_common()) if errors else "none"),
+    ]
+    if seconds:
+        p95 = seconds[min(len(seconds) - 1, int(0.95 * len(seconds)))]
+        out.append(f"tool latency: median {statistics.median(seconds):.3f} s, p95 {p95:.3f} s, max {seconds[-1]:.3f} s")
+    return out
