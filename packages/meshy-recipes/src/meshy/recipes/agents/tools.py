@@ -9,7 +9,7 @@ counts; nothing raises into the trajectory, so one bad call never stops a batch.
 A synchronous tool runs on the tool box's own threads. A thread cannot be killed, so a synchronous tool
 that hangs keeps its thread after its call has timed out (the box has `max_threads`; once all are held,
 further synchronous calls time out too, and asynchronous tools are unaffected). Tools that run untrusted
-code belong in a separate, killable process.
+code belong in a separate, killable process (meshy.recipes.agents.python_tool).
 """
 
 import asyncio
@@ -42,6 +42,16 @@ BAD_ARGUMENTS = "bad-arguments"
 RAISED = "raised"
 TIMEOUT = "timeout"
 BAD_RESULT = "bad-result"
+KILLED = "killed"  # the tool's process was stopped at a limit other than time (CPU time, output)
+
+
+class ToolError(Exception):
+    """What a tool raises to give an error observation of a kind other than RAISED (e.g. TIMEOUT, KILLED);
+    the message is the observation."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,7 @@ class Tool:
 class ToolResult:
     name: str  # the tool called ("" for a malformed call)
     content: str  # what the model sees: the tool's output, or the error observation
-    error: str | None  # None, or one of MALFORMED, UNKNOWN_TOOL, BAD_ARGUMENTS, RAISED, TIMEOUT, BAD_RESULT
+    error: str | None  # None, or one of MALFORMED, UNKNOWN_TOOL, BAD_ARGUMENTS, RAISED, TIMEOUT, BAD_RESULT, KILLED
     seconds: float
 
 
@@ -145,6 +155,8 @@ class ToolBox:
                 result = await asyncio.wait_for(running, self.timeout_s)
         except TimeoutError:
             return tool.name, f"{tool.name} did not finish within {self.timeout_s:g} s", TIMEOUT
+        except ToolError as e:
+            return tool.name, f"{tool.name}: {e}", e.kind
         except Exception as e:  # the tool's own failure is the model's observation, not the run's
             return tool.name, f"{tool.name} raised {type(e).__name__}: {e}", RAISED
         return (tool.name, *_as_text(tool.name, result))
