@@ -136,6 +136,10 @@ def test_the_embedded_default_loads_and_resolves():
         (lambda t: multi_turn(t) + "\n[agent]\nmax_turns = 0\n", "agent limits: expected max_turns in 1..1000"),
         (lambda t: multi_turn(t) + "\n[agent]\ntool_timeout_s = 0\n", "tool_timeout_s: expected a finite number"),
         (lambda t: multi_turn(t) + "\n[agent]\nmax_turn = 2\n", "recipe.agent: unknown field 'max_turn'"),
+        (
+            lambda t: multi_turn(t) + "\n[agent]\nmax_tokens = 4096\n",
+            "agent.max_tokens: a trajectory's 4096 tokens after the prompt must fit sampling.context_length (512)",
+        ),
         (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
         (lambda t: t + '\n[[roles.custom]]\ncls = "x:Y"\n', "recipe.roles.custom[0]: missing field 'name'"),
         (lambda t: t + '\n[roles.custom]\nname = "judge"\n', "RolesSpec.custom: expected tuple[CustomRoleSpec, ...]"),

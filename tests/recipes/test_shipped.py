@@ -11,6 +11,7 @@ EXPECTED_GPUS = {
     "qwen3-1.7b-grpo-dapo-1gpu": 1,
     "qwen3-1.7b-grpo-gsm8k-8gpu": 8,
     "qwen3-1.7b-grpo-dapo-8gpu": 8,
+    "qwen3-1.7b-python-math-8gpu": 8,
     "qwen3-8b-grpo-dapo-8gpu": 8,
     "qwen3-30b-a3b-grpo-dapo-8gpu": 8,
     "minicpm5-1b-grpo-ultradata-8gpu": 8,

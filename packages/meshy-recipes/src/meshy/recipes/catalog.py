@@ -32,7 +32,7 @@ def resolve(source: str | None) -> Path:
 
 def check_imports(recipe: Recipe) -> None:
     """Every import path the recipe names resolves (task code, custom role classes)."""
-    for field in ("tokenizer", "problems", "reward"):
+    for field in ("tokenizer", "problems", "reward") + ("environment",) * recipe.multi_turn:
         import_object(getattr(recipe.task, field), f"task.{field}")
     for role in recipe.roles.custom:
         import_object(role.cls, f"roles.custom.{role.name}.cls")
@@ -52,7 +52,7 @@ def mode(recipe: Recipe) -> str:
         pacing = "on-policy"
     else:
         pacing = f"off-policy (W={window})"
-    return f"{recipe.algorithm.kind}, {pacing}"
+    return f"{recipe.algorithm.kind}, {pacing}" + (", multi-turn" if recipe.multi_turn else "")
 
 
 def listing() -> str:

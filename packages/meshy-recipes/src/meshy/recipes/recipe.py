@@ -175,7 +175,7 @@ class AgentSpec:
     template: str = "qwen3"
     enable_thinking: bool | None = None
     max_turns: int = 4
-    max_tokens: int = 512
+    max_tokens: int = 256
     tool_timeout_s: float = 5.0
     deadline_s: float = 120.0
 
@@ -429,6 +429,11 @@ class Recipe:
             raise SchemaError(
                 f"task.environment: {self.task.environment!r} makes the run multi-turn; expected a "
                 "[roles.environment] section, the role that plays its trajectories"
+            )
+        if self.agent.max_tokens >= self.sampling.context_length:
+            raise SchemaError(
+                f"agent.max_tokens: a trajectory's {self.agent.max_tokens} tokens after the prompt must fit "
+                f"sampling.context_length ({self.sampling.context_length}) with the prompt; expected fewer"
             )
         for name, unsupported in (
             ("algorithm.kind", self.algorithm.kind != "grpo"),

@@ -67,11 +67,17 @@ def problems(seed: int, **options: Any) -> Iterator[Problem]:
     if unknown:
         raise SchemaError(f"math task: unknown option {unknown[0]!r}; expected some of {known}")
     opts = MathOptions(**options)
-    if opts.source == GENERATED:
-        records = generated_records(seed)
-    else:
-        records = _epochs(load_records(opts.source, opts.format, opts.domain), seed)
-    return (Problem(opts.prompt(r.question), r.answer) for r in records)
+    return (Problem(opts.prompt(r.question), r.answer) for r in records(seed, opts.source, opts.format, opts.domain))
+
+
+def records(
+    seed: int, source: str = GENERATED, format: str | None = None, domain: str | None = None
+) -> Iterator[Record]:
+    """An endless stream of questions and answers: generated ones, or a file's records in a new seeded
+    order every epoch (the file is read and checked before this returns)."""
+    if source == GENERATED:
+        return generated_records(seed)
+    return _epochs(load_records(source, format, domain), seed)
 
 
 def _epochs(records: list[Record], seed: int) -> Iterator[Record]:
