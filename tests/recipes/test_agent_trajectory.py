@@ -237,3 +237,64 @@ def test_the_calculator_task_rewards_an_answer_found_with_the_tool_and_refuses_a
             calculator.calculate(hostile)
     with pytest.raises(SchemaError, match="calculator task: digits in 1..6 and ops from '\\+-\\*', got 7, '/'"):
         next(calculator.problems(0, digits=7, ops="/"))
+
+
+def test_the_calculator_tokenizer_makes_each_repeated_piece_of_its_conversations_one_id():
+    tokenizer, problem = calculator.tokenizer(), next(calculator.problems(seed=1, digits=2))
+    env = calculator.environment(partial_credit=True)
+    prompt = render("qwen3", asyncio.run(env.reset(problem)), tools=env.tool_schemas())
+    call = calculator.CALL_OPEN + problem.prompt.removesuffix("=") + calculator.CALL_CLOSE + "<|im_end|>"
+    result = observation("qwen3", [problem.answer])
+    for text, ids in ((prompt, 1 + 6 + 1), (call, 1 + 5 + 1 + 1), (result, 1 + len(problem.answer) + 1)):
+        assert len(tokenizer.encode(text)) == ids and tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.decode([tokenizer.eos_token_id]) == "<|im_end|>" and tokenizer.vocab_size == 28
+    assert tokenizer.decode(tokenizer.encode("7/2")) == "7?2" and tokenizer.decode([27, 500]) == "?"
+
+
+def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_an_exact_answer_pays_1():
+    problem = calculator.Problem("47*83=", "3901")
+
+    def call(expression: str) -> str:
+        return calculator.CALL_OPEN + expression + calculator.CALL_CLOSE + "<|im_end|>"
+
+    env = calculator.environment(partial_credit=True)
+    asyncio.run(env.reset(problem))
+    assert asyncio.run(env.step(call("47*83"))).reward == pytest.approx(calculator.CALL_CREDIT)
+    assert asyncio.run(env.step(call("47*93"))).reward == pytest.approx(0.2 * (0.5 + 0.5 * 4 / 5))
+    assert asyncio.run(env.step(call("47*8x"))).reward == pytest.approx(0.2 * (0.25 + 0.5 * 4 / 5))  # refused
+    assert asyncio.run(env.step(calculator.CALL_OPEN + "4")).reward == pytest.approx(0.2 * (0.25 + 0.5 / 5))
+    assert asyncio.run(env.step("3901<|im_end|>")) == Step([], 1.0, True)
+    assert asyncio.run(env.step("3911<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4)
+    assert asyncio.run(env.step("390<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4)
+    bare = calculator.environment(tool=False, partial_credit=True)  # the baseline: no tool, no credit for calls
+    asyncio.run(bare.reset(problem))
+    step = asyncio.run(bare.step(call("47*83")))
+    assert bare.tool_schemas() == [] and step.calls[0].error == "unknown-tool" and step.reward == 0.0
+    assert asyncio.run(bare.step("3911<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4)
+    assert asyncio.run(calculator.environment().step(call("47*83"))).reward == 0.0  # no shaping by default
+
+
+def test_the_python_math_task_runs_the_policy_s_code_in_the_sandbox_and_scores_its_boxed_answer():
+    from meshy.recipes.agents.sandbox import check_sandbox
+    from meshy.recipes.tasks import python_math
+
+    if (why := check_sandbox()) is not None:
+        pytest.skip(why)
+    problem = next(python_math.problems(seed=0))
+    assert "Please reason" not in problem.prompt, "the question alone: the environment poses it"
+    code = json.dumps({"name": "python", "arguments": {"code": f"print({problem.answer} * 1)"}})
+    policy = ScriptedPolicy(
+        [
+            (f"<tool_call>\n{code}\n</tool_call><|im_end|>", 0, FINISH_STOP),
+            (f"So it is \\boxed{{{problem.answer}}}.<|im_end|>", 0, FINISH_STOP),
+        ]
+    )
+    env = python_math.environment(tool_timeout_s=10)
+    t = asyncio.run(run_trajectory(env, problem, policy, TOKENIZER, "qwen3", LIMITS))
+    assert (t.finish_reason, t.reward, t.tool_calls, dict(t.tool_errors)) == (DONE, 1.0, {"python": 1}, {})
+    assert f"<tool_response>\n{problem.answer}\n\n</tool_response>" in TOKENIZER.decode(t.response_ids)
+    assert "You may run Python code with the python tool" in TOKENIZER.decode(t.prompt_ids)
+    with pytest.raises(SchemaError, match="agent.tool_timeout_s: the python tool runs each call for up to"):
+        python_math.environment(tool_timeout_s=2)
+    with pytest.raises(SchemaError, match="task.environment_options.reward: expected one of"):
+        python_math.environment(reward="exact")

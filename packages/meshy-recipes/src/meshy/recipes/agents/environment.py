@@ -38,7 +38,8 @@ class Environment(Protocol):
 
 class ToolEnvironment:
     """Poses `prompt(problem)` as the user turn (after `system`, if given) and scores the final answer
-    with `score(answer text, problem)`. A turn with no tool call is the final answer."""
+    with `score(answer text, problem)`. A turn with no tool call is the final answer. call_score: the
+    reward of a turn that calls tools, from its text, what its calls did and the problem (0 without)."""
 
     def __init__(
         self,
@@ -46,8 +47,10 @@ class ToolEnvironment:
         prompt: Callable[[Any], str],
         score: Callable[[str, Any], float],
         system: str | None = None,
+        call_score: Callable[[str, list[ToolResult], Any], float] | None = None,
     ) -> None:
         self.tools, self.prompt, self.score, self.system = tools, prompt, score, system
+        self.call_score = call_score
         self._problem: Any = None
 
     def tool_schemas(self) -> list[dict]:
@@ -62,5 +65,6 @@ class ToolEnvironment:
         calls = parse_tool_calls(action)
         if not calls:
             return Step([], float(self.score(action, self._problem)), True)
-        done = await asyncio.gather(*(self.tools.call(call) for call in calls))
-        return Step([result.content for result in done], 0.0, False, list(done))
+        done = list(await asyncio.gather(*(self.tools.call(call) for call in calls)))
+        reward = 0.0 if self.call_score is None else float(self.call_score(action, done, self._problem))
+        return Step([result.content for result in done], reward, False, done)

@@ -8,6 +8,17 @@ exactly the result, else 0.
 
 The calculator evaluates only `integer op integer` (no eval of anything else): what the policy writes
 is untrusted, and anything else is an error observation.
+
+For a model built from scratch (the `calculator-tiny` recipe), `tokenizer()` makes each string the
+conversation repeats one id (the system turn listing the tool, the turn markers, the tool call's JSON
+around its expression, the tool response's wrapping): the text is Qwen3's template exactly, and a turn
+that calls the tool is 8 ids for two-digit operands. `partial_credit` shapes the reward for learning
+from chance (as tool-learning RL commonly does: credit for the call's format and arguments): a turn
+that calls the calculator earns up to CALL_CREDIT (a quarter for opening the call, a quarter for a
+call the calculator answered, half by how much of the problem's expression it copied), a final answer
+that is not exact up to PARTIAL_ANSWER by its digits in place. An exact answer earns 1 and nothing
+else does; `tool=False` poses the same problems without the tool (the baseline: the same reward for
+answers, and no calculator to call or be paid for calling).
 """
 
 import functools
@@ -18,12 +29,19 @@ from collections.abc import Iterator
 
 from meshy.dataplane import SchemaError
 from meshy.recipes.agents.environment import ToolEnvironment
-from meshy.recipes.agents.tools import Tool, ToolBox
+from meshy.recipes.agents.tools import Tool, ToolBox, ToolResult
 from meshy.recipes.tasks.arithmetic import Problem
+from meshy.recipes.tasks.chat_templates import Message, observation, render
+from meshy.recipes.tasks.piece_tokenizer import PieceTokenizer
 
 _OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _EXPRESSION = re.compile(r"\s*(-?\d{1,12})\s*([-+*])\s*(-?\d{1,12})\s*")
 END_OF_TURN = "<|im_end|>"
+CALL_CREDIT = 0.2  # partial credit: the most a turn calling the calculator earns
+PARTIAL_ANSWER = 0.2  # partial credit: the most a final answer that is not exact earns
+CALL_OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'  # Qwen3's call, up to the argument
+CALL_CLOSE = '"}}\n</tool_call>'
+_MARK = "\x00"  # where the problem goes, to split a rendered template into its fixed pieces
 
 
 def problems(seed: int, digits: int = 3, ops: str = "*") -> Iterator[Problem]:
@@ -54,11 +72,52 @@ def answer_reward(final_turn: str, problem: Problem) -> float:
     return float(final_turn.split(END_OF_TURN)[0].strip() == problem.answer)
 
 
+def in_place(text: str, target: str) -> float:
+    """The share of positions (of the longer string) where `text` has `target`'s character."""
+    return sum(a == b for a, b in zip(text, target, strict=False)) / max(len(text), len(target), 1)
+
+
+def partial_answer_reward(final_turn: str, problem: Problem) -> float:
+    """1.0 for exactly the answer; else up to PARTIAL_ANSWER, by the answer's digits in place."""
+    answer = final_turn.split(END_OF_TURN)[0].strip()
+    return 1.0 if answer == problem.answer else PARTIAL_ANSWER * in_place(answer, problem.answer)
+
+
+def call_credit(action: str, results: list[ToolResult], problem: Problem) -> float:
+    """Up to CALL_CREDIT for a turn that calls the calculator: a quarter for opening the call as the
+    tool's format writes it, a quarter for a call the calculator answered, and half by the share of the
+    problem's expression the argument has in place."""
+    if CALL_OPEN not in action:
+        return 0.0
+    argument = action.split(CALL_OPEN, 1)[1].split('"', 1)[0]
+    answered = len(results) == 1 and results[0].error is None
+    expression = problem.prompt.removesuffix("=")
+    return CALL_CREDIT * (0.25 + 0.25 * answered + 0.5 * in_place(argument, expression))
+
+
 @functools.cache
-def _tools(timeout_s: float) -> ToolBox:
-    return ToolBox([CALCULATOR], timeout_s)  # stateless: one per process, shared by every trajectory
+def _tools(timeout_s: float, tool: bool) -> ToolBox:
+    return ToolBox([CALCULATOR] if tool else [], timeout_s)  # stateless: one per process, for every trajectory
 
 
-def environment(tool_timeout_s: float = 5.0) -> ToolEnvironment:
-    """A fresh environment for one trajectory (the task's `environment` entry point)."""
-    return ToolEnvironment(_tools(tool_timeout_s), prompt=lambda p: p.prompt, score=answer_reward)
+def environment(tool_timeout_s: float = 5.0, tool: bool = True, partial_credit: bool = False) -> ToolEnvironment:
+    """A fresh environment for one trajectory (the task's `environment` entry point). tool: whether the
+    calculator is there to call; partial_credit: the shaped reward (see the module's doc)."""
+    return ToolEnvironment(
+        _tools(tool_timeout_s, tool),
+        prompt=lambda p: p.prompt,
+        score=partial_answer_reward if partial_credit else answer_reward,
+        call_score=call_credit if partial_credit and tool else None,
+    )
+
+
+def tokenizer(template: str = "qwen3") -> PieceTokenizer:
+    """The pieces of the calculator's conversations in `template` (with and without the tool listed, with
+    and without Qwen3's empty thinking block), one id each, then the characters of problems and answers."""
+    pieces = ["<|endoftext|>", "<|im_start|>", END_OF_TURN, "<think>\n\n</think>\n\n"]
+    for tools in ([CALCULATOR.schema()], []):
+        head, tail = render(template, [Message("user", _MARK)], tools=tools).split(_MARK)
+        pieces += [head, tail]
+    pieces += [*observation(template, [_MARK]).split(_MARK), CALL_OPEN, CALL_CLOSE]
+    pieces += list("0123456789+-*= \n?")
+    return PieceTokenizer(list(dict.fromkeys(pieces)), bos="<|endoftext|>", eos=END_OF_TURN, unknown="?")
