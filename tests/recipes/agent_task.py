@@ -9,6 +9,8 @@ takes as the final answer (reward 1 when it has an "a" in it).
 
 from collections.abc import Iterator
 
+import torch
+
 from meshy.dataplane import rollout as cols
 from meshy.recipes.agents.environment import Step
 from meshy.recipes.agents.trajectory import NO_VERSION
@@ -117,6 +119,8 @@ class TrajectoryAuditor:
 
     def audit_ready_rows(self, timeout: float) -> int:
         reads = [cols.RESPONSE_IDS, cols.POLICY_MASK, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.FINISH_REASON]
+        ppo = self.ctx.recipe.algorithm.kind == "ppo"
+        reads += [cols.ADVANTAGE, cols.RETURNS] * ppo
         batch = self.ctx.client.lease(self.ctx.table, self.task, reads, count=64, min_count=1, timeout=timeout)
         if batch is None:
             return 0
@@ -127,10 +131,23 @@ class TrajectoryAuditor:
             problems = self.audit(response, mask, logprobs, versions)
             if len(mask) != len(response):
                 problems.append(f"{len(mask)} mask entries for {len(response)} tokens")
+            if ppo:
+                problems += self.audit_gae(c[cols.POLICY_MASK][i], c[cols.ADVANTAGE][i], c[cols.RETURNS][i])
             turns = sum(1 for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1]))
             self.ctx.record("audit", row=row, turns=turns, finish_reason=c[cols.FINISH_REASON][i], problems=problems)
         self.ctx.client.ack(batch)
         return len(batch)
+
+    @staticmethod
+    def audit_gae(mask: torch.Tensor, advantage: torch.Tensor, returns: torch.Tensor) -> list[str]:
+        """GAE steps over the policy's tokens: an observation token has no advantage and no return, and
+        (gamma 1, the reward on the last policy token) every policy token's return is the reward."""
+        problems = []
+        if returns[~mask].any() or (len(advantage) and advantage[~mask].any()):
+            problems.append("an observation token has an advantage or a return")
+        if mask.any() and not returns[mask].eq(returns[mask][-1]).all():
+            problems.append("the policy tokens' returns are not all the trajectory's reward")
+        return problems
 
     def run(self) -> None:
         self.ctx.watch_for_stop()

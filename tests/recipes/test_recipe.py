@@ -128,9 +128,9 @@ def test_the_embedded_default_loads_and_resolves():
             "[roles.environment] section",
         ),
         (
-            lambda t: multi_turn(t).replace('kind = "grpo"', 'kind = "ppo"') + "\n[roles.critic]\nprocesses = 1\n",
-            "algorithm.kind: multi-turn runs (task.environment) train with GRPO over whole trajectories; expected "
-            'algorithm.kind = "grpo"',
+            lambda t: multi_turn(t).replace("pacing = 1", "pacing = 1\noverlong_buffer = 2"),
+            "algorithm.overlong_buffer: multi-turn runs (task.environment) train on whole trajectories with GRPO or "
+            'PPO; expected algorithm.kind = "grpo" or "ppo", no routing_replay and overlong_buffer = 0',
         ),
         (lambda t: multi_turn(t) + '\n[agent]\ntemplate = "chatml"\n', "template: unknown chat template 'chatml'"),
         (lambda t: multi_turn(t) + "\n[agent]\nmax_turns = 0\n", "agent limits: expected max_turns in 1..1000"),

@@ -122,9 +122,11 @@ def generate_with(routed_experts: bool = False) -> Task:
     return GENERATE_TASK.plus(writes=(ROUTED_EXPERTS,) if routed_experts else ())
 
 
-def advantage_with(values: bool = False) -> Task:
-    """ADVANTAGE_TASK; over a critic's values (GAE) it also writes the returns the critic trains on."""
-    return ADVANTAGE_TASK.plus(reads=(VALUES,), writes=(RETURNS,)) if values else ADVANTAGE_TASK
+def advantage_with(values: bool = False, policy_mask: bool = False) -> Task:
+    """ADVANTAGE_TASK; over a critic's values (GAE) it also writes the returns the critic trains on, and
+    with policy_mask (multi-turn) it steps over the policy's tokens only."""
+    task = ADVANTAGE_TASK.plus(reads=(VALUES,), writes=(RETURNS,)) if values else ADVANTAGE_TASK
+    return task.plus(reads=(POLICY_MASK,)) if policy_mask else task
 
 
 def train_with(

@@ -24,7 +24,7 @@ def recipe_tasks(recipe: "Recipe") -> tuple[cols.Task, ...]:
     else:
         tasks = [cols.PROMPTS_TASK, cols.generate_with(routed_experts=replay), cols.REWARD_TASK]
     tasks += [
-        cols.advantage_with(values=critic),
+        cols.advantage_with(values=critic, policy_mask=critic and recipe.multi_turn),
         cols.train_with(
             reward=True,
             teacher=distill,

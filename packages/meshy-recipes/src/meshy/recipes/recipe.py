@@ -436,14 +436,14 @@ class Recipe:
                 f"sampling.context_length ({self.sampling.context_length}) with the prompt; expected fewer"
             )
         for name, unsupported in (
-            ("algorithm.kind", self.algorithm.kind != "grpo"),
+            ("algorithm.kind", self.algorithm.kind == "distill"),
             ("algorithm.routing_replay", self.algorithm.routing_replay),
             ("algorithm.overlong_buffer", self.algorithm.overlong_buffer > 0),
         ):
             if unsupported:
                 raise SchemaError(
-                    f"{name}: multi-turn runs (task.environment) train with GRPO over whole trajectories; expected "
-                    'algorithm.kind = "grpo", no routing_replay and overlong_buffer = 0'
+                    f"{name}: multi-turn runs (task.environment) train on whole trajectories with GRPO or PPO; "
+                    'expected algorithm.kind = "grpo" or "ppo", no routing_replay and overlong_buffer = 0'
                 )
 
     def _check_routing_replay(self) -> None:

@@ -37,6 +37,7 @@ class CriticRole:
             rows_per_rank=256,
             groups_per_rank=algo.prompts_per_step // ctx.slot.count,
             batch_timeout_s=0.2,
+            policy_mask=recipe.multi_turn,
         )
         self.service = CriticService(ctx.client, CriticTrainer(model, algo.critic_optim, algo.value_clip), config)
         self.saved_version = self._restore()

@@ -150,8 +150,10 @@ class RolloutRole:
 
     def critic_advantages(self) -> None:
         """GAE over the critic's values, outcome reward on the last token, gamma 1, lambda_i = k^(1/L_i);
-        returns are the lambda = 1 targets the critic trains on."""
+        returns are the lambda = 1 targets the critic trains on. A multi-turn row steps over its policy's
+        tokens only: the reward goes on the last of them, L_i counts them, observations take no step."""
         client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
+        multi_turn = self.ctx.recipe.multi_turn
         while not self.ctx.stop.is_set():
             batch = self._lease_groups()
             if batch is None:
@@ -162,11 +164,15 @@ class RolloutRole:
             mask = torch.arange(width, device=HOST)[None, :] < lengths[:, None]
             token_rewards, padded_values = (torch.zeros(len(responses), width, device=HOST) for _ in range(2))
             for i, (n, value) in enumerate(zip(lengths.tolist(), values, strict=True)):
-                if n:
-                    token_rewards[i, n - 1] = batch.columns[cols.REWARD][i]
+                if multi_turn:
+                    mask[i, :n] &= batch.columns[cols.POLICY_MASK][i].to(HOST)
+                policy = mask[i].nonzero()
+                if len(policy):
+                    token_rewards[i, policy[-1]] = batch.columns[cols.REWARD][i]
                     padded_values[i, :n] = value
+            steps = mask.sum(dim=1)
             advantage, returns = gae(
-                token_rewards, padded_values, mask.float(), 1.0, sample_lambdas(lengths.clamp(min=1), algo.gae_k)
+                token_rewards, padded_values, mask.float(), 1.0, sample_lambdas(steps.clamp(min=1), algo.gae_k)
             )
             if algo.overlong_buffer:
                 advantage = tail_overlong_bonus(advantage, mask.float(), self._overlong_penalty(responses))
@@ -184,7 +190,8 @@ class RolloutRole:
 
     def _lease_groups(self):
         """Whole groups ready for the advantage step (None after a short wait)."""
-        task = cols.advantage_with(values=self.ctx.recipe.algorithm.kind == "ppo")
+        critic = self.ctx.recipe.algorithm.kind == "ppo"
+        task = cols.advantage_with(values=critic, policy_mask=critic and self.ctx.recipe.multi_turn)
         return self.ctx.client.lease(
             self.ctx.table, task.name, list(task.reads), count=64, min_count=1, whole_groups=True, timeout=0.5
         )
