@@ -1,13 +1,21 @@
 """SmolLM2's chat template with tools, and its tool-call format, checked against strings written by hand from
 the format's own text: the function-calling system prompt of HuggingFaceTB/SmolLM2-1.7B-Instruct's model
 card, the ChatML turns of SmolLM2-135M-Instruct's template, and the tool response turn of Ollama's smollm2
-template."""
+template; and the calculator task in that format, with worked examples."""
+
+import asyncio
+import itertools
 
 import pytest
 
 from meshy.dataplane import SchemaError
+from meshy.infer.engine import FINISH_STOP
 from meshy.recipes.agents.tool_calls import MalformedToolCall, ToolCall, parse_tool_calls, write_tool_calls
+from meshy.recipes.agents.tools import MALFORMED
+from meshy.recipes.agents.trajectory import DONE, run_trajectory
+from meshy.recipes.tasks import calculator
 from meshy.recipes.tasks.chat_templates import Message, observation, render
+from tests.recipes.test_agent_trajectory import LIMITS, TOKENIZER, ScriptedPolicy
 
 CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {}}}
 TOOLS_SYSTEM = (  # the model card's system prompt, its `{{ tools }}` the json.dumps of the tools' list
@@ -137,3 +145,50 @@ def test_calls_are_written_as_each_format_lays_them_out_and_read_back():
         parse_tool_calls("", "hermes")
     with pytest.raises(SchemaError, match="tool-call format: unknown format 'hermes'"):
         write_tool_calls(calls, "hermes")
+
+
+def worked(problem) -> list[Message]:
+    expression = problem.prompt.removesuffix("=")
+    call = f'<tool_call>[\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n]</tool_call>'
+    return [
+        Message("user", problem.prompt),
+        Message("assistant", call),
+        Message("tool", problem.answer),
+        Message("assistant", problem.answer),
+    ]
+
+
+def test_the_calculator_shows_worked_examples_in_smollm2_s_format_and_runs_the_calls_written_in_it():
+    env, problem = calculator.environment(tool_format="smollm2", examples=2), next(calculator.problems(0))
+    first, second = itertools.islice(calculator.problems(calculator.EXAMPLES_SEED), 2)
+    assert asyncio.run(env.reset(problem)) == [*worked(first), *worked(second), Message("user", problem.prompt)]
+    expression = problem.prompt.removesuffix("=")
+    call = f'<tool_call>[{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}]</tool_call>'
+    right = ScriptedPolicy([(call + "<|im_end|>", 0, FINISH_STOP), (problem.answer + "<|im_end|>", 0, FINISH_STOP)])
+    t = asyncio.run(run_trajectory(env, problem, right, TOKENIZER, "smollm2", LIMITS))
+    assert (t.finish_reason, t.turns, t.reward) == (DONE, 2, 1.0)
+    assert t.tool_calls == {"calculator": 1} and not t.tool_errors
+    assert f"<|im_start|>user\n<tool_response>\n{problem.answer}\n</tool_response><|im_end|>\n" in TOKENIZER.decode(
+        t.response_ids
+    )
+    qwen3_call = write_tool_calls([ToolCall("calculator", {"expression": expression})], "qwen3")
+    wrong = ScriptedPolicy([(qwen3_call + "<|im_end|>", 0, FINISH_STOP), ("no<|im_end|>", 0, FINISH_STOP)])
+    t = asyncio.run(run_trajectory(env, problem, wrong, TOKENIZER, "smollm2", LIMITS))
+    assert (t.turns, t.reward, dict(t.tool_errors)) == (2, 0.0, {MALFORMED: 1}), "Qwen3's call is not SmolLM2's"
+    assert "error: malformed tool call: expected a JSON array of calls, got an object" in TOKENIZER.decode(
+        t.response_ids
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tool_format": "hermes"}, "tool_format: unknown tool-call format 'hermes'; expected one of"),
+        ({"examples": 9}, "examples: expected 0..8 worked problems"),
+        ({"examples": 1, "tool": False}, r"examples: expected 0..8 worked problems \(0 without the tool\), got 1"),
+        ({"partial_credit": True, "tool_format": "smollm2"}, "partial_credit: the call credit reads Qwen3's"),
+    ],
+)
+def test_calculator_options_that_cannot_work_are_refused_naming_the_option(options, message):
+    with pytest.raises(SchemaError, match=message):
+        calculator.environment(**options)

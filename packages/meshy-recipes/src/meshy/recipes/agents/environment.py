@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from meshy.recipes.agents.tool_calls import parse_tool_calls
+from meshy.dataplane import SchemaError
+from meshy.recipes.agents.tool_calls import FORMATS, parse_tool_calls
 from meshy.recipes.agents.tools import ToolBox, ToolResult
 from meshy.recipes.tasks.chat_templates import Message
 
@@ -37,8 +38,10 @@ class Environment(Protocol):
 
 
 class ToolEnvironment:
-    """Poses `prompt(problem)` as the user turn (after `system`, if given) and scores the final answer
-    with `score(answer text, problem)`. A turn with no tool call is the final answer. call_score: the
+    """Poses `prompt(problem)` as the user turn (after `system`, if given, and the `examples`
+    conversation, e.g. worked problems that show the policy the tools in use) and scores the final
+    answer with `score(answer text, problem)`. A turn with no tool call is the final answer; calls are
+    read in `tool_format` (meshy.recipes.agents.tool_calls.FORMATS), the chat template's. call_score: the
     reward of a turn that calls tools, from its text, what its calls did and the problem (0 without)."""
 
     def __init__(
@@ -48,9 +51,13 @@ class ToolEnvironment:
         score: Callable[[str, Any], float],
         system: str | None = None,
         call_score: Callable[[str, list[ToolResult], Any], float] | None = None,
+        tool_format: str = "qwen3",
+        examples: Sequence[Message] = (),
     ) -> None:
+        if tool_format not in FORMATS:
+            raise SchemaError(f"tool_format: unknown tool-call format {tool_format!r}; expected one of {FORMATS}")
         self.tools, self.prompt, self.score, self.system = tools, prompt, score, system
-        self.call_score = call_score
+        self.call_score, self.tool_format, self.examples = call_score, tool_format, list(examples)
         self._problem: Any = None
 
     def tool_schemas(self) -> list[dict]:
@@ -59,10 +66,10 @@ class ToolEnvironment:
     async def reset(self, problem: Any) -> list[Message]:
         self._problem = problem
         system: Sequence[Message] = [Message("system", self.system)] if self.system is not None else []
-        return [*system, Message("user", self.prompt(problem))]
+        return [*system, *self.examples, Message("user", self.prompt(problem))]
 
     async def step(self, action: str) -> Step:
-        calls = parse_tool_calls(action)
+        calls = parse_tool_calls(action, self.tool_format)
         if not calls:
             return Step([], float(self.score(action, self._problem)), True)
         done = list(await asyncio.gather(*(self.tools.call(call) for call in calls)))

@@ -19,9 +19,14 @@ call the calculator answered, half by how much of the problem's expression it co
 that is not exact up to PARTIAL_ANSWER by its digits in place. An exact answer earns 1 and nothing
 else does; `tool=False` poses the same problems without the tool (the baseline: the same reward for
 answers, and no calculator to call or be paid for calling).
+
+A pretrained model that was not tuned to call tools (SmolLM2-135M-Instruct: its tuning data has no
+function calling) calls them once shown how: `examples` worked problems come before the problem, each a
+user turn, the call written in `tool_format` (the chat template's), the tool's result and the answer.
 """
 
 import functools
+import itertools
 import operator
 import random
 import re
@@ -29,6 +34,7 @@ from collections.abc import Iterator
 
 from meshy.dataplane import SchemaError
 from meshy.recipes.agents.environment import ToolEnvironment
+from meshy.recipes.agents.tool_calls import ToolCall, write_tool_calls
 from meshy.recipes.agents.tools import Tool, ToolBox, ToolResult
 from meshy.recipes.tasks.arithmetic import Problem
 from meshy.recipes.tasks.chat_templates import Message, observation, render
@@ -42,6 +48,8 @@ PARTIAL_ANSWER = 0.2  # partial credit: the most a final answer that is not exac
 CALL_OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'  # Qwen3's call, up to the argument
 CALL_CLOSE = '"}}\n</tool_call>'
 _MARK = "\x00"  # where the problem goes, to split a rendered template into its fixed pieces
+EXAMPLES_SEED = 12345  # the worked examples' problems (3-digit products, as the default problems)
+MAX_EXAMPLES = 8
 
 
 def problems(seed: int, digits: int = 3, ops: str = "*") -> Iterator[Problem]:
@@ -100,15 +108,45 @@ def _tools(timeout_s: float, tool: bool) -> ToolBox:
     return ToolBox([CALCULATOR] if tool else [], timeout_s)  # stateless: one per process, for every trajectory
 
 
-def environment(tool_timeout_s: float = 5.0, tool: bool = True, partial_credit: bool = False) -> ToolEnvironment:
+def environment(
+    tool_timeout_s: float = 5.0,
+    tool: bool = True,
+    partial_credit: bool = False,
+    tool_format: str = "qwen3",
+    examples: int = 0,
+) -> ToolEnvironment:
     """A fresh environment for one trajectory (the task's `environment` entry point). tool: whether the
-    calculator is there to call; partial_credit: the shaped reward (see the module's doc)."""
+    calculator is there to call; partial_credit: the shaped reward; examples: worked problems shown
+    first, their calls written in tool_format (see the module's doc)."""
+    if partial_credit and tool and tool_format != "qwen3":
+        raise SchemaError(f"partial_credit: the call credit reads Qwen3's tool-call format, got {tool_format!r}")
+    if not isinstance(examples, int) or not 0 <= examples <= MAX_EXAMPLES or (examples and not tool):
+        raise SchemaError(
+            f"examples: expected 0..{MAX_EXAMPLES} worked problems (0 without the tool), got {examples!r}"
+        )
     return ToolEnvironment(
         _tools(tool_timeout_s, tool),
         prompt=lambda p: p.prompt,
         score=partial_answer_reward if partial_credit else answer_reward,
         call_score=call_credit if partial_credit and tool else None,
+        tool_format=tool_format,
+        examples=worked_examples(examples, tool_format),
     )
+
+
+@functools.cache
+def worked_examples(count: int, tool_format: str) -> tuple[Message, ...]:
+    """`count` problems solved with the calculator, as conversation turns."""
+    turns: list[Message] = []
+    for problem in itertools.islice(problems(EXAMPLES_SEED), count):
+        call = ToolCall(CALCULATOR.name, {"expression": problem.prompt.removesuffix("=")})
+        turns += [
+            Message("user", problem.prompt),
+            Message("assistant", write_tool_calls([call], tool_format)),
+            Message("tool", problem.answer),
+            Message("assistant", problem.answer),
+        ]
+    return tuple(turns)
 
 
 def tokenizer(template: str = "qwen3") -> PieceTokenizer:
