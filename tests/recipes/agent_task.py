@@ -4,7 +4,9 @@ custom role that audits every finished trajectory before training takes it.
 The vocabulary is small (the chat markers and a few characters), so a model from scratch ends its turns
 with `<|im_end|>` often: trajectories take several turns, and some run into the limits. The environment
 answers every turn with the tool result "ok" until a turn of an even number of characters, which it
-takes as the final answer (reward 1 when it has an "a" in it).
+takes as the final answer, rewarded with the number of turns it answered before: a count it keeps as its
+state between steps (which may be taken by different processes), so a reward that is not `turns - 1`
+means the state was lost on the way.
 """
 
 from collections.abc import Iterator
@@ -59,19 +61,26 @@ def problems(seed: int) -> Iterator[Problem]:
 
 class EchoEnvironment:
     def __init__(self, tool_timeout_s: float):
-        self.problem = None
+        self.problem, self.answered = None, 0
 
     def tool_schemas(self) -> list[dict]:
         return []
 
+    def state(self) -> int:
+        return self.answered
+
+    def restore(self, state: int) -> None:
+        self.answered = state
+
     async def reset(self, problem: Problem) -> list[Message]:
-        self.problem = problem
+        self.problem, self.answered = problem, 0
         return [Message("user", problem.prompt)]
 
     async def step(self, action: str) -> Step:
         text = action.removesuffix("<|im_end|>")
         if len(text) % 2 == 0:
-            return Step([], float("a" in text), True)
+            return Step([], float(self.answered), True)
+        self.answered += 1
         return Step([RESULT], 0.0, False)
 
 

@@ -72,6 +72,9 @@ def test_trajectories_are_played_through_the_turns_table_token_exact_and_trained
     for audit in audits:  # what training got is what the environment played
         assert by_row[audit["row"]]["turns"] == audit["turns"]
         assert by_row[audit["row"]]["finish_reason"] == audit["finish_reason"]
+    done = [t for t in played if t["finish_reason"] == "done"]
+    assert [t["reward"] for t in done] == [t["turns"] - 1 for t in done], "the environment's state went along"
+    assert any(t["turns"] > 1 for t in done)
     reasons = Counter(t["finish_reason"] for t in played)
     assert reasons["done"] and reasons["max-turns"], reasons  # several turns, and the turn limit reached
     assert max(t["turns"] for t in played) == 3

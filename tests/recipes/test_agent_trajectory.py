@@ -14,7 +14,7 @@ import torch
 from meshy.dataplane import SchemaError
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from meshy.infer.torch_engine import TorchEngine
-from meshy.recipes.agents.environment import Step, ToolEnvironment
+from meshy.recipes.agents.environment import Step, ToolEnvironment, restore_state, saved_state
 from meshy.recipes.agents.tools import MALFORMED, Tool, ToolBox
 from meshy.recipes.agents.trajectory import (
     DEADLINE,
@@ -257,15 +257,25 @@ def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_a
     def call(expression: str) -> str:
         return calculator.CALL_OPEN + expression + calculator.CALL_CLOSE + "<|im_end|>"
 
+    def first_call(text: str) -> float:
+        env = calculator.environment(partial_credit=True)
+        asyncio.run(env.reset(problem))
+        return asyncio.run(env.step(text)).reward
+
+    assert first_call(call("47*93")) == pytest.approx(0.2 * (0.5 + 0.5 * 4 / 5))
+    assert first_call(call("47*8x")) == pytest.approx(0.2 * (0.25 + 0.5 * 4 / 5))  # refused by the calculator
+    assert first_call(calculator.CALL_OPEN + "4") == pytest.approx(0.2 * (0.25 + 0.5 / 5))
     env = calculator.environment(partial_credit=True)
     asyncio.run(env.reset(problem))
-    assert asyncio.run(env.step(call("47*83"))).reward == pytest.approx(calculator.CALL_CREDIT)
-    assert asyncio.run(env.step(call("47*93"))).reward == pytest.approx(0.2 * (0.5 + 0.5 * 4 / 5))
-    assert asyncio.run(env.step(call("47*8x"))).reward == pytest.approx(0.2 * (0.25 + 0.5 * 4 / 5))  # refused
-    assert asyncio.run(env.step(calculator.CALL_OPEN + "4")).reward == pytest.approx(0.2 * (0.25 + 0.5 / 5))
     assert asyncio.run(env.step("3901<|im_end|>")) == Step([], 1.0, True)
+    assert asyncio.run(env.step(call("47*83"))).reward == pytest.approx(calculator.CALL_CREDIT)
     assert asyncio.run(env.step("3911<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4)
     assert asyncio.run(env.step("390<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4)
+    assert asyncio.run(env.step(call("47*83"))).reward == 0.0, "a call is paid once per trajectory"
+    again = calculator.environment(partial_credit=True)  # the next step, in another process
+    asyncio.run(again.reset(problem))
+    restore_state(again, saved_state(env))
+    assert asyncio.run(again.step(call("47*83"))).reward == 0.0 and saved_state(again) == {"called": True}
     bare = calculator.environment(tool=False, partial_credit=True)  # the baseline: no tool, no credit for calls
     asyncio.run(bare.reset(problem))
     step = asyncio.run(bare.step(call("47*83")))

@@ -6,8 +6,10 @@ trajectory is done. ToolEnvironment is the usual one: a turn that calls tools ge
 call of a turn runs concurrently), a turn that calls none is the final answer and is scored.
 
 In a run, each step may be taken by another process than the last (meshy.recipes.roles.environment):
-a fresh environment is reset to the problem before every step, so `step` may depend on the problem
-and the turn's text, never on state an earlier step left behind.
+a fresh environment is reset to the problem before every step. An environment that keeps state between
+steps says so with `state()` (a JSON value) and `restore(state)`: the state after each step travels
+with the trajectory and is restored before the next; one without them may depend only on the problem
+and the turn's text.
 """
 
 import asyncio
@@ -37,12 +39,25 @@ class Environment(Protocol):
     async def step(self, action: str) -> Step: ...
 
 
+def saved_state(env: Environment) -> Any:
+    """The environment's state to carry to its next step (None: it keeps none)."""
+    state = getattr(env, "state", None)
+    return None if state is None else state()
+
+
+def restore_state(env: Environment, state: Any) -> None:
+    """Put back what `saved_state` gave after the previous step, into an environment just reset."""
+    if state is not None:
+        env.restore(state)  # type: ignore[attr-defined]
+
+
 class ToolEnvironment:
     """Poses `prompt(problem)` as the user turn (after `system`, if given, and the `examples`
     conversation, e.g. worked problems that show the policy the tools in use) and scores the final
     answer with `score(answer text, problem)`. A turn with no tool call is the final answer; calls are
     read in `tool_format` (meshy.recipes.agents.tool_calls.FORMATS), the chat template's. call_score: the
-    reward of a turn that calls tools, from its text, what its calls did and the problem (0 without)."""
+    reward of the first turn that calls tools, from its text, what its calls did and the problem (later
+    calls earn nothing: a policy is not paid for calling again; no call_score, nothing)."""
 
     def __init__(
         self,
@@ -59,12 +74,19 @@ class ToolEnvironment:
         self.tools, self.prompt, self.score, self.system = tools, prompt, score, system
         self.call_score, self.tool_format, self.examples = call_score, tool_format, list(examples)
         self._problem: Any = None
+        self._called = False  # a turn has called tools (call_score is paid once)
 
     def tool_schemas(self) -> list[dict]:
         return self.tools.schemas()
 
+    def state(self) -> dict:
+        return {"called": self._called}
+
+    def restore(self, state: dict) -> None:
+        self._called = bool(state["called"])
+
     async def reset(self, problem: Any) -> list[Message]:
-        self._problem = problem
+        self._problem, self._called = problem, False
         system: Sequence[Message] = [Message("system", self.system)] if self.system is not None else []
         return [*system, *self.examples, Message("user", self.prompt(problem))]
 
@@ -73,5 +95,7 @@ class ToolEnvironment:
         if not calls:
             return Step([], float(self.score(action, self._problem)), True)
         done = list(await asyncio.gather(*(self.tools.call(call) for call in calls)))
-        reward = 0.0 if self.call_score is None else float(self.call_score(action, done, self._problem))
+        paid = self.call_score is not None and not self._called
+        reward = float(self.call_score(action, done, self._problem)) if paid else 0.0
+        self._called = True
         return Step([result.content for result in done], reward, False, done)

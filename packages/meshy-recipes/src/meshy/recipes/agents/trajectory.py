@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from meshy.dataplane import SchemaError
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, Generation
-from meshy.recipes.agents.environment import Environment
+from meshy.recipes.agents.environment import Environment, saved_state
 from meshy.recipes.tasks.chat_templates import observation, render
 
 DONE, MAX_TURNS, MAX_TOKENS, DEADLINE, ABORTED = "done", "max-turns", "max-tokens", "deadline", "aborted"
@@ -75,6 +75,7 @@ class Trajectory:
     tool_seconds: list[float] = field(default_factory=list)
     error: str = ""  # why the engine could not generate a turn (finish reason ERROR)
     started: float = field(default_factory=time.time)  # wall clock: the deadline counts from here
+    environment_state: Any = None  # what the environment keeps between steps (environment.saved_state)
 
     def budget(self, limits: AgentLimits) -> int:
         """Tokens the next turn may generate."""
@@ -149,6 +150,7 @@ async def take_turn(
         trajectory.finish_reason = DEADLINE
         return False
     trajectory.reward += step.reward
+    trajectory.environment_state = saved_state(env)
     for call in step.calls:
         trajectory.tool_calls[call.name] += 1
         trajectory.tool_seconds.append(call.seconds)

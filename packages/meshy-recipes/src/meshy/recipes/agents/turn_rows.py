@@ -4,7 +4,8 @@ its rollout row (meshy.dataplane.rollout describes both tables).
 A turn row is the whole trajectory so far plus the turn to generate: prompt_ids holds the prompt and
 every token after it (what the engine continues from), policy_mask, history_logprobs and
 history_versions the per-token record of the tokens after the prompt, max_new_tokens the trajectory's
-budget left, and the `trajectory` JSON the rest (the problem, the counts, the wall-clock start). Once the
+budget left, and the `trajectory` JSON the rest (the problem, the counts, the wall-clock start, the
+environment's state). Once the
 inference role has added the turn's columns, `read_turn` gives the trajectory back, with the turn.
 Turn k of the trajectory in rollout row r is row `turn_row_id(r, k)`.
 """
@@ -44,6 +45,7 @@ def turn_columns(
             "tool_errors": dict(t.tool_errors),
             "tool_seconds": t.tool_seconds,
             "started": t.started,
+            "environment_state": t.environment_state,
         }
         for t, row, problem in trajectories
     ]
@@ -77,6 +79,7 @@ def read_turn(columns: dict[str, Any], i: int) -> tuple[int, Problem, Trajectory
         tool_errors=Counter(state["tool_errors"]),
         tool_seconds=state["tool_seconds"],
         started=state["started"],
+        environment_state=state["environment_state"],
     )
     turn = Generation(
         request_id="",

@@ -11,8 +11,9 @@ responses from the rollout table in single-turn runs.
   its columns to its rollout row (from there on, rollout computes advantages and training trains on it
   as on any row).
 
-An environment keeps no state between turns beyond its problem and the conversation, both in the row;
-so any process takes the next step of any trajectory, steps run concurrently (a slow tool holds up its
+An environment keeps no state between turns beyond its problem, the conversation and what its `state()`
+gives (meshy.recipes.agents.environment), all in the row; so any process takes the next step of any
+trajectory, steps run concurrently (a slow tool holds up its
 own trajectory only, and the engine keeps generating the others' turns), and a process that dies loses
 only the steps it was taking: their leases expire and another process takes them. Every write is
 idempotent by row id: a step taken twice finds its row already written and changes nothing, so no
@@ -28,7 +29,7 @@ import torch
 
 from meshy.dataplane import HOST, Batch, RowConflictError, SchemaError
 from meshy.dataplane import rollout as cols
-from meshy.recipes.agents.environment import Environment
+from meshy.recipes.agents.environment import Environment, restore_state
 from meshy.recipes.agents.trajectory import ERROR, Trajectory, open_trajectory, take_turn
 from meshy.recipes.agents.turn_rows import read_turn, trajectory_columns, turn_columns
 from meshy.recipes.context import RoleContext
@@ -162,6 +163,7 @@ class EnvironmentRole:
         agent, env = self.agent, self.new_environment()
         try:
             await env.reset(problem)
+            restore_state(env, trajectory.environment_state)
             going = await take_turn(
                 trajectory, turn, env, self.tokenizer, agent.template, self.limits, agent.enable_thinking, error
             )
