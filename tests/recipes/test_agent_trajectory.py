@@ -207,14 +207,20 @@ def test_the_byte_tokenizer_gives_back_the_exact_text_with_each_marker_one_id():
 
 
 def test_the_agent_rollout_bench_plays_the_same_tokens_in_every_mode():
+    """Every mode, in the bench's process and through a live data plane (an inference process and an
+    environment process), plays the same trajectories token for token."""
     bench = Path(__file__).resolve().parents[2] / "bench" / "agent_rollout.py"
     args = ["--trajectories", "8", "--sequential", "8", "--turns", "2", "--latency", "0.01"]
     out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| ") and "ms tool" in line]
-    rows += [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| instant tool")]
-    assert len(rows) == 3, out.stdout
-    assert {(done.strip(), tokens.strip()) for _, done, tokens, *_ in rows} == {("8", rows[0][2].strip())}
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in out.stdout.splitlines()
+        if line.startswith(("| in-process |", "| data plane |"))
+    ]
+    tools = ("instant tool", "10 ms tool", "10 ms tool, sequential")
+    assert [(path, tool) for path, tool, *_ in rows] == [(p, t) for p in ("in-process", "data plane") for t in tools]
+    assert {(done, tokens) for _, _, done, tokens, *_ in rows} == {("8", rows[0][3])}, out.stdout
 
 
 def test_the_calculator_task_rewards_an_answer_found_with_the_tool_and_refuses_anything_but_arithmetic():
@@ -262,9 +268,10 @@ def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_a
         asyncio.run(env.reset(problem))
         return asyncio.run(env.step(text)).reward
 
-    assert first_call(call("47*93")) == pytest.approx(0.2 * (0.5 + 0.5 * 4 / 5))
-    assert first_call(call("47*8x")) == pytest.approx(0.2 * (0.25 + 0.5 * 4 / 5))  # refused by the calculator
-    assert first_call(calculator.CALL_OPEN + "4") == pytest.approx(0.2 * (0.25 + 0.5 / 5))
+    assert first_call(call("47*93")) == pytest.approx(0.2 * (0.25 + 0.75 * 4 / 5))
+    assert first_call(call("47*8x")) == pytest.approx(0.2 * (0.25 + 0.75 * 4 / 5))  # refused by the calculator
+    assert first_call(call("11+11")) == pytest.approx(0.2 * 0.25)  # answered, but nothing of the problem in place
+    assert first_call(calculator.CALL_OPEN + "4") == pytest.approx(0.2 * (0.25 + 0.75 / 5))
     env = calculator.environment(partial_credit=True)
     asyncio.run(env.reset(problem))
     assert asyncio.run(env.step("3901<|im_end|>")) == Step([], 1.0, True)

@@ -14,8 +14,8 @@ conversation repeats one id (the system turn listing the tool, the turn markers,
 around its expression, the tool response's wrapping): the text is Qwen3's template exactly, and a turn
 that calls the tool is 8 ids for two-digit operands. `partial_credit` shapes the reward for learning
 from chance (as tool-learning RL commonly does: credit for the call's format and arguments): a turn
-that calls the calculator earns up to CALL_CREDIT (a quarter for opening the call, a quarter for a
-call the calculator answered, half by how much of the problem's expression it copied), a final answer
+that calls the calculator earns up to CALL_CREDIT (a quarter for opening the call, three quarters by
+how much of the problem's expression it copied), once per trajectory, and a final answer
 that is not exact up to PARTIAL_ANSWER by its digits in place. An exact answer earns 1 and nothing
 else does; `tool=False` poses the same problems without the tool (the baseline: the same reward for
 answers, and no calculator to call or be paid for calling).
@@ -93,14 +93,13 @@ def partial_answer_reward(final_turn: str, problem: Problem) -> float:
 
 def call_credit(action: str, results: list[ToolResult], problem: Problem) -> float:
     """Up to CALL_CREDIT for a turn that calls the calculator: a quarter for opening the call as the
-    tool's format writes it, a quarter for a call the calculator answered, and half by the share of the
-    problem's expression the argument has in place."""
+    tool's format writes it, three quarters by the share of the problem's expression the argument has in
+    place (nothing for a call the calculator merely answered: a policy paid for any valid expression
+    settles on one it can write without reading the problem)."""
     if CALL_OPEN not in action:
         return 0.0
     argument = action.split(CALL_OPEN, 1)[1].split('"', 1)[0]
-    answered = len(results) == 1 and results[0].error is None
-    expression = problem.prompt.removesuffix("=")
-    return CALL_CREDIT * (0.25 + 0.25 * answered + 0.5 * in_place(argument, expression))
+    return CALL_CREDIT * (0.25 + 0.75 * in_place(argument, problem.prompt.removesuffix("=")))
 
 
 @functools.cache
