@@ -114,6 +114,10 @@ def test_each_limit_ends_the_trajectory_which_is_kept_with_its_reason():
     cut = ScriptedPolicy([(CALL, 0, FINISH_LENGTH)])
     t = asyncio.run(run_trajectory(calculator_env(), problem, cut, TOKENIZER, "qwen3", AgentLimits(3, 10, 30)))
     assert (t.finish_reason, t.turns, len(t.response_ids)) == (MAX_TOKENS, 1, 10)
+    assert t.tool_errors == {MALFORMED: 1}, "the cut turn went to the environment: its call was cut"
+    cut = ScriptedPolicy([("it is never, as I was saying", 0, FINISH_LENGTH)])  # an answer cut after "never"
+    t = asyncio.run(run_trajectory(calculator_env(), problem, cut, TOKENIZER, "qwen3", AgentLimits(3, 11, 30)))
+    assert (t.finish_reason, t.reward, TOKENIZER.decode(t.response_ids)) == (MAX_TOKENS, 1.0, "it is never")
 
     budget = len(TOKENIZER.encode(CALL)) + 5  # the call fits, its observation does not
     full = ScriptedPolicy([(CALL, 0, FINISH_STOP)])

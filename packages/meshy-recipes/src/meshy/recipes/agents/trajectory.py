@@ -9,7 +9,8 @@ trajectory that spans a weight update records which version produced each token.
 
 A trajectory ends when the environment says it is done, or at a limit, and is kept either way with its
 finish reason: MAX_TURNS (the policy took `max_turns` turns), MAX_TOKENS (the sequence after the prompt
-reached `max_tokens`), DEADLINE (the whole trajectory took `deadline_s`; a turn or a step that ends
+reached `max_tokens`; a turn cut by it is still given to the environment, which scores it as it
+stands, as a single-turn run scores a response cut at max_new_tokens), DEADLINE (the whole trajectory took `deadline_s`; a turn or a step that ends
 past it is not kept), ABORTED (the engine aborted a turn: it was closed), ERROR (the engine could not
 generate a turn; `error` says why).
 
@@ -138,10 +139,9 @@ async def take_turn(
         return False
     trajectory._append(turn.output_ids, True, turn.logprobs, turn.token_versions)
     trajectory.turns += 1
-    if turn.finish_reason != FINISH_STOP:  # the turn is not finished: cut by the token budget, aborted, failed
+    if turn.finish_reason not in (FINISH_STOP, FINISH_LENGTH):  # aborted, or the engine failed
         trajectory.error = error
-        reasons = {FINISH_LENGTH: MAX_TOKENS, ERROR: ERROR}
-        trajectory.finish_reason = reasons.get(turn.finish_reason, ABORTED)
+        trajectory.finish_reason = ERROR if turn.finish_reason == ERROR else ABORTED
         return False
     try:
         async with asyncio.timeout(left):
@@ -156,7 +156,9 @@ async def take_turn(
         trajectory.tool_seconds.append(call.seconds)
         if call.error is not None:
             trajectory.tool_errors[call.error] += 1
-    if step.done:
+    if turn.finish_reason == FINISH_LENGTH:  # cut by the token budget: scored as it stands, and the last
+        trajectory.finish_reason = MAX_TOKENS
+    elif step.done:
         trajectory.finish_reason = DONE
     elif trajectory.turns >= limits.max_turns:
         trajectory.finish_reason = MAX_TURNS
