@@ -211,8 +211,8 @@ def test_the_byte_tokenizer_gives_back_the_exact_text_with_each_marker_one_id():
 
 
 def test_the_agent_rollout_bench_plays_the_same_tokens_in_every_mode():
-    """Every mode, in the bench's process and through a live data plane (an inference process and an
-    environment process), plays the same trajectories token for token."""
+    """Every mode, in the bench's process and through a live data plane (the inference service in a
+    process of its own), plays the same trajectories token for token."""
     bench = Path(__file__).resolve().parents[2] / "bench" / "agent_rollout.py"
     args = ["--trajectories", "8", "--sequential", "8", "--turns", "2", "--latency", "0.01"]
     out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300)
