@@ -61,9 +61,9 @@ def test_meshy_check_prints_which_rank_runs_which_role_on_which_device_in_which_
     lines = result.stdout.splitlines()
     assert lines[0].endswith("9 processes on 4 GPUs (rank 0 hosts the data plane)")
     table = [line.split() for line in lines[2:]]
-    assert table[0] == ["0", "training", "1/4", "cuda:0", "training+inference"]
-    assert table[4] == ["4", "inference", "1/4", "cuda:0", "training+inference"]
-    assert table[8] == ["8", "rollout", "1/1", "cpu", "-"]
+    assert table[0] == ["0", "0", "training", "1/4", "cuda:0", "training+inference"]
+    assert table[4] == ["0", "4", "inference", "1/4", "cuda:0", "training+inference"]
+    assert table[8] == ["0", "8", "rollout", "1/1", "cpu", "-"]
 
 
 def test_meshy_check_names_what_is_wrong(tmp_path):

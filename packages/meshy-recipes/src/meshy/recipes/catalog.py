@@ -5,7 +5,7 @@ from pathlib import Path
 from meshy.dataplane import SchemaError
 from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import DEFAULT_RECIPE, Recipe, load_recipe
-from meshy.recipes.topology import assign
+from meshy.recipes.topology import assign, on_node
 
 SHIPPED_DIR = Path(__file__).with_name("recipes")
 DEFAULT_NAME = "default"
@@ -39,9 +39,26 @@ def check_imports(recipe: Recipe) -> None:
 
 
 def gpus_needed(recipe: Recipe) -> int:
-    """GPUs on one node the recipe's topology uses (0: it runs on CPU only)."""
+    """GPUs per node the recipe's topology uses (0: it runs on CPU only)."""
     slots = assign(recipe, recipe.world_size, gpus_per_node=ENOUGH_GPUS).values()
     return max((d + 1 for slot in slots for d in slot.devices), default=0)
+
+
+def devices(recipe: Recipe) -> str:
+    """What the recipe runs on: "CPU", "8 GPU", "2 x 8 GPU"."""
+    gpus, nodes = gpus_needed(recipe), recipe.topology.nodes
+    if not gpus:
+        return "CPU" if nodes == 1 else f"{nodes} x CPU"
+    return f"{gpus} GPU" if nodes == 1 else f"{nodes} x {gpus} GPU"
+
+
+def check_nodes(recipe: Recipe, nodes: int | None) -> None:
+    """`--nnodes` says what the recipe says (its topology is the one every node computes)."""
+    if nodes is not None and nodes != recipe.topology.nodes:
+        raise SchemaError(
+            f"--nnodes {nodes}: recipe {recipe.name} is laid out for topology.nodes = {recipe.topology.nodes}; "
+            f"set nodes = {nodes} in its [topology] to lay it out over {nodes} nodes"
+        )
 
 
 def mode(recipe: Recipe) -> str:
@@ -60,25 +77,35 @@ def listing() -> str:
     rows = [("recipe", "model", "devices", "mode")]
     for name, path in shipped().items():
         recipe = load_recipe(path)
-        gpus = gpus_needed(recipe)
-        rows.append((name, recipe.model.name, f"{gpus} GPU" if gpus else "CPU", mode(recipe)))
+        rows.append((name, recipe.model.name, devices(recipe), mode(recipe)))
     return _table(rows)
 
 
 def topology(recipe: Recipe, gpus_per_node: int | None = None) -> str:
-    """Which rank runs which role, on which devices, in which ring."""
+    """Which node and rank runs which role, on which devices, in which ring; for several nodes, what each
+    node's torchrun starts."""
     gpus = gpus_needed(recipe) if gpus_per_node is None else gpus_per_node
     slots = assign(recipe, recipe.world_size, gpus_per_node=gpus)
-    rows = [("rank", "role", "process", "devices", "ring")]
+    rows = [("node", "rank", "role", "process", "devices", "ring")]
     for rank, slot in slots.items():
-        devices = ",".join(f"cuda:{d}" for d in slot.devices) or "cpu"
-        rows.append((str(rank), slot.role, f"{slot.index + 1}/{slot.count}", devices, slot.ring or "-"))
+        placed = ",".join(f"cuda:{d}" for d in slot.devices) or "cpu"
+        rows.append((str(slot.node), str(rank), slot.role, f"{slot.index + 1}/{slot.count}", placed, slot.ring or "-"))
+    nodes = recipe.topology.nodes
+    where = f"{gpus} GPU" + "s" * (gpus > 1) if gpus else "CPU"
     header = (
-        f"{recipe.name}: {recipe.model.name}, {mode(recipe)}, {recipe.steps} versions; "
-        f"{recipe.world_size} processes on {f'{gpus} GPU' + 's' * (gpus > 1) if gpus else 'CPU'} "
-        "(rank 0 hosts the data plane)"
+        f"{recipe.name}: {recipe.model.name}, {mode(recipe)}, {recipe.steps} versions; {recipe.world_size} "
+        f"processes on {where if nodes == 1 else f'{nodes} nodes of {where}'} (rank 0 hosts the data plane)"
     )
-    return header + "\n" + _table(rows)
+    text = header + "\n" + _table(rows)
+    if nodes > 1:
+        for node in range(nodes):
+            local = on_node(slots, node)
+            ranks = f"rank {local[0].rank}" if len(local) == 1 else f"ranks {local[0].rank}-{local[-1].rank}"
+            text += (
+                f"\nnode {node}: {ranks}, torchrun --nproc-per-node={len(local)} "
+                f"(meshy run ... --nnodes {nodes} --node-rank {node})"
+            )
+    return text
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:

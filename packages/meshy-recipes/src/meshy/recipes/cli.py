@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check", help="validate a recipe and print its topology (no GPU needed)")
     check.add_argument("recipe", help="a recipe TOML file or a shipped recipe's name")
     check.add_argument("--gpus-per-node", type=int, help="place roles on this many GPUs (default: what it needs)")
+    check.add_argument("--nnodes", type=int, help="the nodes the recipe is laid out for (topology.nodes)")
     demo = commands.add_parser("demo", help="run the data-plane demo (rollout, inference, two trainer ranks)")
     demo.add_argument("--steps", type=int, default=5, help="weight versions to train (default 5)")
     code = command(parser.parse_args(argv))
@@ -39,10 +40,11 @@ def command(args: argparse.Namespace) -> int:
             print(listing())
             return 0
         if args.command == "check":
-            from meshy.recipes.catalog import check_imports, resolve, topology
+            from meshy.recipes.catalog import check_imports, check_nodes, resolve, topology
             from meshy.recipes.recipe import load_recipe
 
             recipe = load_recipe(resolve(args.recipe))
+            check_nodes(recipe, args.nnodes)
             check_imports(recipe)
             print(topology(recipe, args.gpus_per_node))
             return 0

@@ -6,6 +6,7 @@ Sections reuse the components' own configs (LossConfig, OptimConfig, ParallelCon
 """
 
 import dataclasses
+import ipaddress
 import math
 import tomllib
 import types
@@ -21,6 +22,7 @@ from meshy.recipes.agents.trajectory import AgentLimits
 from meshy.recipes.dataflow import check_dataflow
 from meshy.recipes.pretrained import check_init
 from meshy.recipes.tasks.chat_templates import TEMPLATES
+from meshy.recipes.topology import layout
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig
 from meshy.train.trainer import LossConfig, OptimConfig
@@ -33,6 +35,8 @@ DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
 def _check_placement(spec: "RoleSpec | CustomRoleSpec") -> None:
     if spec.processes < 1 or spec.devices_per_process < 0:
         raise SchemaError(f"processes >= 1 and devices_per_process >= 0, got {spec}")
+    if spec.node is not None and spec.node < 0:
+        raise SchemaError(f"node: expected a node index >= 0, got {spec.node}")
     if spec.memory_fraction is not None and not 0 < spec.memory_fraction <= 1:
         raise SchemaError(f"memory_fraction: expected a fraction in (0, 1] of each GPU, got {spec.memory_fraction}")
 
@@ -41,11 +45,13 @@ def _check_placement(spec: "RoleSpec | CustomRoleSpec") -> None:
 class RoleSpec:
     """processes: how many ranks run the role. devices_per_process: GPUs each uses (0: CPU).
     memory_fraction: the share of each of its GPUs the role may allocate (None: all of it); needed when
-    roles share GPUs at the same time (Recipe.share_devices)."""
+    roles share GPUs at the same time (Recipe.share_devices). node: the node its first process runs on
+    (None: where the role before it ended; meshy.recipes.topology)."""
 
     processes: int = 1
     devices_per_process: int = 0
     memory_fraction: float | None = None
+    node: int | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -66,6 +72,7 @@ class CustomRoleSpec:
     processes: int = 1
     devices_per_process: int = 0
     memory_fraction: float | None = None
+    node: int | None = None
     options: dict = field(default_factory=dict)
     task: str = ""
     reads: tuple[str, ...] = ()
@@ -113,6 +120,30 @@ class RolesSpec:
         """Every role of the run, in rank order (training first: its rank 0 hosts the data plane)."""
         builtin = [(name, getattr(self, name)) for name in BUILTIN_ROLES if getattr(self, name) is not None]
         return builtin + [(c.name, c) for c in self.custom]
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    """The machines a run spans: `nodes` of `gpus_per_node` GPUs each (None: what a node has; a multi-node
+    recipe with GPU roles names it, so its layout is fixed before any node starts). addresses: each
+    node's address, which its data-plane servers bind and advertise (empty: the address of the interface
+    that routes to the rendezvous host)."""
+
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    addresses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.nodes < 1 or (self.gpus_per_node is not None and self.gpus_per_node < 0):
+            raise SchemaError(f"nodes >= 1 and gpus_per_node >= 0, got {self.nodes}, {self.gpus_per_node}")
+        if self.addresses and len(self.addresses) != self.nodes:
+            raise SchemaError(f"addresses: expected one per node ({self.nodes}), got {len(self.addresses)}")
+        for address in self.addresses:
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                raise SchemaError(f"addresses: expected IP addresses, got {address!r}") from None
 
 
 @dataclass(frozen=True)
@@ -290,7 +321,8 @@ class Recipe:
     the previous version (a whole one every 10th, and the next one whenever an engine could not rebuild a
     delta). hf_every: also keep every n-th version (0: none) as an HF directory in the run's
     hf_versions/, whatever `publish` is (the final weights are always kept). extra_columns: columns added
-    to the rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
+    to the rollout table for custom roles ([[extra_columns]] name, dtype, shape). topology: the nodes
+    the run spans ([topology]; one by default)."""
 
     name: str
     steps: int = 100
@@ -309,6 +341,7 @@ class Recipe:
     algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     agent: AgentSpec = field(default_factory=AgentSpec)
+    topology: TopologySpec = field(default_factory=TopologySpec)
     roles: RolesSpec = field(default_factory=RolesSpec)
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
 
@@ -382,6 +415,37 @@ class Recipe:
                     f"share_devices: roles {list(group)} need memory_fraction set, adding up to at most 1; got "
                     f"{dict(zip(group, fractions, strict=True))}"
                 )
+        self._check_topology()
+
+    def _check_topology(self) -> None:
+        """The layout over nodes is checked here, whole, before any node starts; a single node's GPUs are
+        counted when it starts, unless the recipe names them (topology.gpus_per_node)."""
+        topology = self.topology
+        gpu_roles = any(spec.devices_per_process for _, spec in self.roles.items())
+        if topology.nodes > 1 and topology.gpus_per_node is None and gpu_roles:
+            raise SchemaError(
+                f"topology.gpus_per_node: a recipe for {topology.nodes} nodes with GPU roles names the GPUs of "
+                "each node, so that every node computes the same layout"
+            )
+        if self.roles.training.node:
+            raise SchemaError(
+                "roles.training.node: training process 0 runs on node 0 (it hosts the data plane's controller), "
+                f"got {self.roles.training.node}"
+            )
+        if topology.nodes > 1 and self.dataplane.host != DataPlaneConfig.host:
+            raise SchemaError(
+                f"dataplane.host: a multi-node run binds each node's own address ({self.dataplane.host!r} cannot "
+                "be every node's); name them in topology.addresses, or leave both out"
+            )
+        slots = layout(self, topology.gpus_per_node or 0)
+        publisher = next(s.node for s in slots if s.role == "training")
+        remote = sorted({s.node for s in slots if s.role == "inference"} - {publisher})
+        if self.publish == "shared-memory" and remote:
+            raise SchemaError(
+                'publish: "shared-memory" reaches engines on the node of training process 0 only, and inference '
+                f'runs on node {remote[0]} too; use publish = "collective" (or "disk" on a filesystem every '
+                "node mounts)"
+            )
 
     def _check_collective(self) -> None:
         """The broadcast needs every engine running and joining each version as it is announced: engines
