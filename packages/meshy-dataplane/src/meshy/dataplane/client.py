@@ -74,9 +74,15 @@ class DataPlaneClient:
         secret: bytes,
         config: DataPlaneConfig | None = None,
         name: str = "client",
+        node: int | None = None,
     ):
+        """node: the node this client runs on; what it writes goes to that node's storage units, so bulk
+        data stays where it was produced until a consumer reads it (None: to any unit)."""
         self.config = config or DataPlaneConfig()
         self.endpoints = endpoints
+        self._write_units = None if node is None else list(endpoints.units_on(node))
+        if self._write_units == []:
+            raise SchemaError(f"DataPlaneClient: node {node} has no storage unit; theirs: {endpoints.storage_nodes}")
         self.consumer_id = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._creds = Credentials.from_secret(secret, endpoints.encrypted)
         self._ctx = zmq.Context()
@@ -272,7 +278,8 @@ class DataPlaneClient:
                     return keys
                 missing = n - len(free)
             # Never call the controller while holding the lock: a thread's first call takes it too.
-            allocated = self._call("alloc", {"table": table, "n": max(missing, self.config.alloc_block)})
+            args = {"table": table, "n": max(missing, self.config.alloc_block), "units": self._write_units}
+            allocated = self._call("alloc", args)
             self._return_keys(table, allocated)
 
     def _return_keys(self, table: str, keys: list[int]) -> None:
@@ -385,6 +392,17 @@ class DataPlaneClient:
 
     def stream_stats(self, stream: str) -> dict:
         return self._call("stream_stats", {"stream": stream})
+
+    def storage_bytes(self) -> dict[str, list[int]]:
+        """Bytes this client has sent to and received from each storage unit (by position in
+        `endpoints.storage`): writes are sent, reads received, with their requests and replies."""
+        with self._lock:
+            channels = list(self._storage_channels)
+        units = range(len(self.endpoints.storage))
+        return {
+            "sent": [sum(c.sent[u] for c in channels) for u in units],
+            "received": [sum(c.received[u] for c in channels) for u in units],
+        }
 
     def close(self) -> None:
         """Give back unused storage keys and close every socket. Safe to call twice. A call another

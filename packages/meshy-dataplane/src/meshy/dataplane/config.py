@@ -12,9 +12,11 @@ from meshy.dataplane.fields import check_fields
 class DataPlaneConfig:
     """How the data-plane servers run and how long clients wait for them.
 
-    host: address the servers bind and advertise. Loopback unless a multi-node recipe asks otherwise.
-    num_storage_units: TransferQueue storage-unit processes; rows are spread over them.
-    encrypt: CURVE-encrypt every connection. None means: only when host is not loopback.
+    host: address the servers bind and advertise (never every interface). Loopback unless a multi-node
+        run binds each node's own address.
+    num_storage_units: TransferQueue storage-unit processes per host; rows are spread over them.
+    encrypt: CURVE-encrypt every connection. None means: only when host is not loopback; off loopback
+        it is always on (False is refused there: PLAIN would send the run's password in the clear).
     rpc_timeout_s: longest wait for one server reply before the server is declared unavailable. A
         server whose process ends is noticed at once (its connection closes); this bound is for one
         that hangs or whose host vanished, and is generous because a loaded host can stall a healthy
@@ -43,6 +45,13 @@ class DataPlaneConfig:
             ipaddress.ip_address(self.host)
         except ValueError:
             raise SchemaError(f"DataPlaneConfig.host: expected an IP address, got {self.host!r}") from None
+        if self.encrypt is False and not ipaddress.ip_address(self.host).is_loopback:
+            raise SchemaError(
+                f"DataPlaneConfig.encrypt: off loopback (host {self.host}) connections are always encrypted; "
+                "False would send the run's password in the clear"
+            )
+        if ipaddress.ip_address(self.host).is_unspecified:
+            raise SchemaError(f"DataPlaneConfig.host: {self.host} is every interface; expected one address")
         for name in ("num_storage_units", "stream_retain", "alloc_block"):
             if getattr(self, name) < 1:
                 raise SchemaError(f"DataPlaneConfig.{name}: expected an integer >= 1, got {getattr(self, name)}")

@@ -135,6 +135,7 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         self._waiters: list[_Waiter] = []
         self._dirty: set[tuple[str, str]] = set()
         self._lease_ids = itertools.count(1)
+        self._spare_keys: dict[str, list[list[int]]] = {}  # table -> per storage unit, keys allocated, unused
         self._ops: dict[str, Callable[[dict, Any, int], Any]] = {
             name.removeprefix("_op_"): getattr(self, name) for name in dir(self) if name.startswith("_op_")
         }
@@ -330,11 +331,31 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         return self._table(args["table"]).spec.to_wire()
 
     def _op_alloc(self, args: dict, identity: Any, request_id: int) -> list[int]:
-        self._table(args["table"])
-        n = args["n"]
+        """Storage keys for `n` rows of a table, stored on `units` (positions in the storage list; None:
+        any). A key's unit is key % the number of units, so keys drawn for some units leave the others'
+        aside, for whoever writes there next."""
+        table = args["table"]
+        self._table(table)
+        n, count = args["n"], len(self._storage_units)
         if not isinstance(n, int) or not 1 <= n <= MAX_BATCH_ROWS:
             raise SchemaError(f"alloc: n must be an int in [1, {MAX_BATCH_ROWS}], got {n!r}")
-        return self.index_manager.allocate_indexes(args["table"], n)
+        units = args.get("units")
+        if units is None:
+            units = list(range(count))
+        if not units or not all(isinstance(u, int) and 0 <= u < count for u in units):
+            raise SchemaError(f"alloc: units must name storage units in [0, {count}), got {units!r}")
+        wanted = set(units)
+        spare = self._spare_keys.setdefault(table, [[] for _ in range(count)])
+        keys: list[int] = []
+        for u in wanted:
+            taken = spare[u][: n - len(keys)]
+            del spare[u][: len(taken)]
+            keys += taken
+        while len(keys) < n:
+            ask = -(-(n - len(keys)) * count // len(wanted))  # enough, were the keys fresh (spread evenly)
+            for key in self.index_manager.allocate_indexes(table, ask):
+                (keys if key % count in wanted and len(keys) < n else spare[key % count]).append(key)
+        return keys
 
     def _op_release_keys(self, args: dict, identity: Any, request_id: int) -> None:
         self._check_keys(args["table"], args["keys"])

@@ -12,7 +12,8 @@ STORE_KEY = "meshy/dataplane/endpoints"
 
 @dataclass(frozen=True)
 class Endpoints:
-    """The controller and the storage units, as TransferQueue describes servers (id, ip, ports).
+    """The controller and the storage units, as TransferQueue describes servers (id, ip, ports), and the
+    node each storage unit runs on (a client writes to its own node's units).
 
     The storage list's order is part of the contract: rows are routed by position in it.
     """
@@ -20,6 +21,15 @@ class Endpoints:
     controller: dict[str, Any]
     storage: tuple[dict[str, Any], ...]
     encrypted: bool
+    storage_nodes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.storage_nodes:  # one host: every unit is on node 0
+            object.__setattr__(self, "storage_nodes", (0,) * len(self.storage))
+
+    def units_on(self, node: int) -> tuple[int, ...]:
+        """Positions in `storage` of the units on `node`."""
+        return tuple(u for u, at in enumerate(self.storage_nodes) if at == node)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -27,7 +37,7 @@ class Endpoints:
     @classmethod
     def from_json(cls, text: str) -> "Endpoints":
         data = json.loads(text)
-        return cls(controller=data["controller"], storage=tuple(data["storage"]), encrypted=data["encrypted"])
+        return cls(data["controller"], tuple(data["storage"]), data["encrypted"], tuple(data["storage_nodes"]))
 
     def publish(self, store: Any, key: str = STORE_KEY) -> None:
         """Write into a torch.distributed Store (e.g. torchrun's TCPStore) for every rank to read."""

@@ -1,8 +1,11 @@
 """The data-plane server processes: `python -m meshy.dataplane.launcher CONFIG_JSON` (secret in the env).
 
 Importing TransferQueue costs seconds (torch, tensordict), so this process imports it once and forks
-the storage units and the controller from that state. It prints one JSON line (endpoints and pids),
-then supervises: when its parent goes away (stdin closes) or it gets SIGTERM, it stops its children.
+the storage units, and later the controller, from that state. It starts this host's storage units and
+prints one JSON line (their endpoints and pids); a host that also runs the controller then writes one
+JSON line to its stdin with the storage units of the whole run (every node's), and the launcher forks
+the controller over them and prints its endpoint. It supervises meanwhile: when its parent goes away
+(stdin closes) or it gets SIGTERM, it stops its children.
 Each child also asks the kernel to kill it should the launcher die (PR_SET_PDEATHSIG), so a SIGKILL
 anywhere up the chain leaves no orphan servers.
 """
@@ -94,6 +97,14 @@ def _stop(pids: list[int]) -> None:
             pass
 
 
+def _controller_request(buffered: bytes) -> tuple[dict | None, bytes]:
+    """The first whole line of `buffered` (a JSON request from the host process), and what follows it."""
+    if b"\n" not in buffered:
+        return None, buffered
+    line, rest = buffered.split(b"\n", 1)
+    return json.loads(line), rest
+
+
 def main() -> None:
     config = DataPlaneConfig(**json.loads(sys.argv[1]))
     secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
@@ -121,27 +132,33 @@ def main() -> None:
             )
             pids.append(pid)
             storage.append(info)
-        controller_pid, controller = _fork_server(
-            lambda: MeshyController(storage, creds, config), config.start_timeout_s
-        )
-        pids.append(controller_pid)
     except BaseException as e:
         _stop(pids)
         print(json.dumps({"error": str(e)}), flush=True)
         sys.exit(1)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    report = {
-        "endpoints": {"controller": controller, "storage": storage, "encrypted": config.encrypted},
-        "pids": {"launcher": os.getpid(), "controller": controller_pid, "storage": pids[:-1]},
-    }
-    print(json.dumps(report), flush=True)
+    print(json.dumps({"storage": storage, "pids": {"launcher": os.getpid(), "storage": list(pids)}}), flush=True)
     running = list(pids)  # reaped ones leave: their pids may soon belong to unrelated processes
+    buffered = b""
     try:
         while True:
             readable = select.select([sys.stdin], [], [], 1.0)[0]
-            if readable and not os.read(sys.stdin.fileno(), 4096):
-                return  # the host process is gone or asked us to stop
+            if readable:
+                data = os.read(sys.stdin.fileno(), 4096)
+                if not data:
+                    return  # the host process is gone or asked us to stop
+                request, buffered = _controller_request(buffered + data)
+                if request is not None:  # the whole run's storage units are known: serve them
+                    try:
+                        pid, controller = _fork_server(
+                            lambda r=request: MeshyController(r["storage"], creds, config), config.start_timeout_s
+                        )
+                    except RuntimeError as e:
+                        print(json.dumps({"error": str(e)}), flush=True)
+                        return
+                    running.append(pid)
+                    print(json.dumps({"controller": controller, "pid": pid}), flush=True)
             for pid in list(running):
                 try:
                     if os.waitpid(pid, os.WNOHANG)[0] == pid:

@@ -36,18 +36,33 @@ def secret_from_env() -> bytes:
 
 
 class DataPlaneServer:
-    """The controller and storage-unit processes of one run, hosted by the calling process.
+    """The data-plane server processes one host runs: its storage units and, on one host of the run, the
+    controller (`endpoints` is then set). Single-host runs start both at once (`start`); a run over
+    several nodes starts every node's storage units (`start_storage`), then the controller over all of
+    them on one node (`start_controller`).
 
     They stop when `shutdown` is called, when this object's process exits, or when it is killed.
     """
 
-    def __init__(self, process: subprocess.Popen, endpoints: Endpoints, pids: dict[str, Any]):
+    def __init__(self, process: subprocess.Popen, config: DataPlaneConfig, storage: list[dict], pids: dict[str, Any]):
         self._process = process
-        self.endpoints = endpoints
+        self.config = config
+        self.storage = storage  # this host's storage units, as TransferQueue describes servers
         self.pids = pids
+        self.endpoints: Endpoints | None = None
 
     @classmethod
     def start(cls, secret: bytes, config: DataPlaneConfig | None = None, log: IO | None = None) -> "DataPlaneServer":
+        """The controller and the storage units, all on this host."""
+        server = cls.start_storage(secret, config, log)
+        server.start_controller(server.storage)
+        return server
+
+    @classmethod
+    def start_storage(
+        cls, secret: bytes, config: DataPlaneConfig | None = None, log: IO | None = None
+    ) -> "DataPlaneServer":
+        """This host's `config.num_storage_units` storage units, bound to `config.host`."""
         config = config or DataPlaneConfig()
         if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
             raise SchemaError(f"DataPlaneServer.start: secret must be at least {MIN_SECRET_BYTES} bytes")
@@ -58,26 +73,25 @@ class DataPlaneServer:
             stderr=log,
             env={**os.environ, SECRET_ENV: secret.hex()},
         )
-        line = _read_line(process.stdout, config.start_timeout_s)
-        report = json.loads(line) if line else {}
-        if "endpoints" not in report:
-            code = process.poll()
-            process.kill()
-            process.wait()
-            why = report.get("error") or (
-                f"the launcher exited with code {code} (its stderr says why)"
-                if code is not None
-                else f"no report within start_timeout_s={config.start_timeout_s}"
-            )
-            raise ServerUnavailable(f"the data-plane servers did not start: {why}")
-        endpoints = report["endpoints"]
-        return cls(
-            process,
-            Endpoints(endpoints["controller"], tuple(endpoints["storage"]), endpoints["encrypted"]),
-            report["pids"],
-        )
+        report = _report(process, config.start_timeout_s, "storage")
+        return cls(process, config, report["storage"], report["pids"])
+
+    def start_controller(self, storage: list[dict], nodes: list[int] | None = None) -> Endpoints:
+        """Start the controller here, over the run's storage units (this host's among them) on `nodes`
+        (the node of each unit; None: all on this one). Rows are routed by position in `storage`."""
+        nodes = [0] * len(storage) if nodes is None else list(nodes)
+        if len(nodes) != len(storage):
+            raise SchemaError(f"start_controller: {len(nodes)} nodes for {len(storage)} storage units")
+        self._process.stdin.write((json.dumps({"storage": storage}) + "\n").encode())
+        self._process.stdin.flush()
+        report = _report(self._process, self.config.start_timeout_s, "controller")
+        self.pids["controller"] = report["pid"]
+        self.endpoints = Endpoints(report["controller"], tuple(storage), self.config.encrypted, tuple(nodes))
+        return self.endpoints
 
     def publish(self, store: Any, key: str = STORE_KEY) -> None:
+        if self.endpoints is None:
+            raise SchemaError("publish: no controller runs on this host (start_controller first)")
         self.endpoints.publish(store, key)
 
     def alive(self) -> bool:
@@ -98,6 +112,23 @@ class DataPlaneServer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _report(process: subprocess.Popen, timeout_s: float, expected: str) -> dict:
+    """The launcher's next JSON line, which must carry `expected`; otherwise it is stopped and why is raised."""
+    line = _read_line(process.stdout, timeout_s)
+    report = json.loads(line) if line else {}
+    if expected in report:
+        return report
+    code = process.poll()
+    process.kill()
+    process.wait()
+    why = report.get("error") or (
+        f"the launcher exited with code {code} (its stderr says why)"
+        if code is not None
+        else f"no report within start_timeout_s={timeout_s}"
+    )
+    raise ServerUnavailable(f"the data-plane servers did not start: {why}")
 
 
 def _read_line(stream: IO[bytes], timeout_s: float) -> bytes:

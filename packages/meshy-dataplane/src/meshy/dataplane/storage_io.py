@@ -32,6 +32,8 @@ class StorageChannel:
         self._timeout = rpc_timeout_s
         self._owner = owner
         self._conns: list[ServerConnection | None] = [None] * len(units)
+        self.sent = [0] * len(units)  # request bytes sent to each unit, replies received from it
+        self.received = [0] * len(units)
 
     def _connection(self, u: int) -> ServerConnection:
         conn = self._conns[u]
@@ -63,14 +65,18 @@ class StorageChannel:
         try:
             for u, body in bodies.items():
                 msg = ZMQMessage.create(kind, sender_id=self._owner, receiver_id=self._units[u]["id"], body=body)
-                self._connection(u).send(msg.serialize(), kind.name, copy=False)
+                frames = msg.serialize()
+                self._connection(u).send(frames, kind.name, copy=False)
+                self.sent[u] += sum(_size(frame) for frame in frames)
                 unanswered.append(u)
             deadline = time.monotonic() + self._timeout
             replies = {}
             for u in bodies:
                 conn = self._connection(u)
                 conn.wait_reply(kind.name, deadline)
-                reply = ZMQMessage.deserialize(conn.socket.recv_multipart(copy=False))
+                frames = conn.socket.recv_multipart(copy=False)
+                self.received[u] += sum(_size(frame) for frame in frames)
+                reply = ZMQMessage.deserialize(frames)
                 unanswered.remove(u)
                 if reply.request_type != ok:
                     raise DataPlaneError(
@@ -121,6 +127,11 @@ class StorageChannel:
     def close(self) -> None:
         for u in range(len(self._conns)):
             self._drop(u)
+
+
+def _size(frame: Any) -> int:
+    """Bytes in one frame TransferQueue serialised (bytes, or a buffer over a tensor's memory)."""
+    return memoryview(frame).nbytes
 
 
 def _select(value: Any, positions: list[int], n: int) -> Any:
