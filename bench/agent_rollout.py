@@ -341,7 +341,7 @@ def print_table(args: argparse.Namespace, paths: dict[str, list[tuple[Mode, dict
             )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=256)
     parser.add_argument("--sequential", type=int, default=16)
@@ -349,7 +349,7 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.1)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--model", default="qwen3-tiny")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     paths = {"in-process": asyncio.run(in_process(args)), "data plane": through_the_data_plane(args)}
     print_table(args, paths)
 

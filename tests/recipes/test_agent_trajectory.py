@@ -1,10 +1,9 @@
 """Multi-turn trajectories: one token sequence of the engine's own ids and the template's observation ids."""
 
 import asyncio
+import importlib
 import itertools
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -210,21 +209,23 @@ def test_the_byte_tokenizer_gives_back_the_exact_text_with_each_marker_one_id():
         TOKENIZER.encode(b"x")
 
 
-def test_the_agent_rollout_bench_plays_the_same_tokens_in_every_mode():
+def test_the_agent_rollout_bench_plays_the_same_tokens_in_every_mode(monkeypatch, capsys):
     """Every mode, in the bench's process and through a live data plane (the inference service in a
-    process of its own), plays the same trajectories token for token."""
-    bench = Path(__file__).resolve().parents[2] / "bench" / "agent_rollout.py"
-    args = ["--trajectories", "8", "--sequential", "8", "--turns", "2", "--latency", "0.01"]
-    out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    process of its own), plays the same trajectories token for token. The bench runs in this process:
+    an interpreter of its own would import torch and meshy again, a third of the test's time."""
+    bench_dir = Path(__file__).resolve().parents[2] / "bench"
+    monkeypatch.syspath_prepend(str(bench_dir))  # the bench's spawned inference process imports it from there too
+    bench = importlib.import_module("agent_rollout")
+    bench.main(["--trajectories", "8", "--sequential", "8", "--turns", "2", "--latency", "0.01"])
+    out = capsys.readouterr().out
     rows = [
         [cell.strip() for cell in line.split("|")[1:-1]]
-        for line in out.stdout.splitlines()
+        for line in out.splitlines()
         if line.startswith(("| in-process |", "| data plane |"))
     ]
     tools = ("instant tool", "10 ms tool", "10 ms tool, sequential")
     assert [(path, tool) for path, tool, *_ in rows] == [(p, t) for p in ("in-process", "data plane") for t in tools]
-    assert {(done, tokens) for _, _, done, tokens, *_ in rows} == {("8", rows[0][3])}, out.stdout
+    assert {(done, tokens) for _, _, done, tokens, *_ in rows} == {("8", rows[0][3])}, out
 
 
 def test_the_calculator_task_rewards_an_answer_found_with_the_tool_and_refuses_anything_but_arithmetic():
