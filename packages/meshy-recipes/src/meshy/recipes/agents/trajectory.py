@@ -10,9 +10,9 @@ trajectory that spans a weight update records which version produced each token.
 A trajectory ends when the environment says it is done, or at a limit, and is kept either way with its
 finish reason: MAX_TURNS (the policy took `max_turns` turns), MAX_TOKENS (the sequence after the prompt
 reached `max_tokens`; a turn cut by it is still given to the environment, which scores it as it
-stands, as a single-turn run scores a response cut at max_new_tokens), DEADLINE (the whole trajectory took `deadline_s`; a turn or a step that ends
-past it is not kept), ABORTED (the engine aborted a turn: it was closed), ERROR (the engine could not
-generate a turn; `error` says why).
+stands, as a single-turn run scores a response cut at max_new_tokens), DEADLINE (the whole trajectory
+took `deadline_s`; a turn or a step that ends past it is not kept), ABORTED (the engine aborted a turn:
+it was closed), ERROR (the engine could not generate a turn; `error` says why).
 
 `take_turn` is one step: record a policy turn and the environment's answer. `run_trajectory` loops it
 in one process; the environment role (meshy.recipes.roles.environment) takes each step as a row of

@@ -91,15 +91,16 @@ def read_turn(columns: dict[str, Any], i: int) -> tuple[int, Problem, Trajectory
     return state["row"], Problem(state["problem"], state["answer"]), trajectory, turn, columns[cols.ERROR][i]
 
 
-def trajectory_columns(trajectory: Trajectory) -> dict[str, Any]:
-    """The finished trajectory as the columns the environment role adds to its rollout row (one row)."""
+def trajectory_columns(trajectories: list[Trajectory]) -> dict[str, Any]:
+    """Finished trajectories as the columns the environment role adds to their rollout rows."""
+    ts = trajectories
     return {
-        cols.RESPONSE_IDS: [torch.tensor(trajectory.response_ids, dtype=torch.int64, device=HOST)],
-        cols.ROLLOUT_LOGPROBS: [torch.tensor(trajectory.logprobs, dtype=torch.float32, device=HOST)],
-        cols.TOKEN_VERSIONS: [torch.tensor(trajectory.token_versions, dtype=torch.int64, device=HOST)],
-        cols.POLICY_MASK: [torch.tensor(trajectory.policy_mask, dtype=torch.bool, device=HOST)],
-        cols.FINISH_REASON: [trajectory.finish_reason],
-        cols.TRUNCATED: torch.tensor([trajectory.finish_reason == MAX_TOKENS], device=HOST),
-        cols.ERROR: [trajectory.error],
-        cols.REWARD: torch.tensor([trajectory.reward], dtype=torch.float32, device=HOST),
+        cols.RESPONSE_IDS: [torch.tensor(t.response_ids, dtype=torch.int64, device=HOST) for t in ts],
+        cols.ROLLOUT_LOGPROBS: [torch.tensor(t.logprobs, dtype=torch.float32, device=HOST) for t in ts],
+        cols.TOKEN_VERSIONS: [torch.tensor(t.token_versions, dtype=torch.int64, device=HOST) for t in ts],
+        cols.POLICY_MASK: [torch.tensor(t.policy_mask, dtype=torch.bool, device=HOST) for t in ts],
+        cols.FINISH_REASON: [t.finish_reason for t in ts],
+        cols.TRUNCATED: torch.tensor([t.finish_reason == MAX_TOKENS for t in ts], dtype=torch.bool, device=HOST),
+        cols.ERROR: [t.error for t in ts],
+        cols.REWARD: torch.tensor([t.reward for t in ts], dtype=torch.float32, device=HOST),
     }

@@ -24,6 +24,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -97,7 +98,7 @@ class EnvironmentRole:
                 Problem(p, a)
                 for p, a in zip(batch.columns[cols.PROBLEM], batch.columns[cols.GROUND_TRUTH], strict=True)
             ]
-            opened = [await self._open(p) for p in problems]
+            opened = await asyncio.gather(*(self._open(p) for p in problems))
             rows, columns = turn_columns(list(zip(opened, batch.row_ids, problems, strict=True)), self.limits)
             await asyncio.to_thread(self._write_once, lambda r, c: client.put(TURNS, r, c), rows, columns)
             prompts = [torch.tensor(t.prompt_ids, dtype=torch.int64, device=HOST) for t in opened]
@@ -132,16 +133,27 @@ class EnvironmentRole:
 
     # ---- turns --------------------------------------------------------------------------------
     async def _observe_loop(self, stop: asyncio.Event) -> None:
+        """Lease generated turns and step each as a task of its own; the steps' writes go out in groups
+        (_write_steps): many steps ending together cost a few writes, not a few each."""
         client, task = self.ctx.client, cols.OBSERVE_TASK
         steps: set[asyncio.Task] = set()
+        stepped: list[asyncio.Task] = []  # steps taken, not yet written
+        ready, last = asyncio.Event(), asyncio.Event()  # steps to write; no step will follow
+        writer = asyncio.create_task(self._write_loop(stepped, ready, last))
+
+        def done(step: asyncio.Task) -> None:
+            steps.discard(step)
+            if not step.cancelled():
+                stepped.append(step)
+                ready.set()
+
         try:
             while not stop.is_set():
-                for step in [s for s in steps if s.done()]:
-                    steps.discard(step)
-                    step.result()  # a step that could not write takes the role down
-                free = STEPS_IN_FLIGHT - len(steps)
+                if writer.done():
+                    writer.result()  # a step or a write that failed takes the role down
+                free = STEPS_IN_FLIGHT - len(steps) - len(stepped)
                 if free <= 0:
-                    await asyncio.wait(steps, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.sleep(POLL_S / 10)
                     continue
                 batch = await asyncio.to_thread(
                     client.lease,
@@ -153,12 +165,17 @@ class EnvironmentRole:
                     lease_s=self.lease_s,
                     timeout=POLL_S,
                 )
-                if batch is not None:
-                    steps.update(asyncio.create_task(self._step(batch, i)) for i in range(len(batch)))
+                for i in range(len(batch) if batch is not None else 0):
+                    step = asyncio.create_task(self._step(batch, i))
+                    steps.add(step)
+                    step.add_done_callback(done)
         finally:
             await asyncio.gather(*steps, return_exceptions=True)
+            last.set()
+            ready.set()
+            await writer  # what was stepped is written before the role ends
 
-    async def _step(self, batch: Batch, i: int) -> None:
+    async def _step(self, batch: Batch, i: int) -> "_Stepped":
         row, problem, trajectory, turn, error = read_turn(batch.columns, i)
         agent, env = self.agent, self.new_environment()
         try:
@@ -170,17 +187,56 @@ class EnvironmentRole:
         except Exception as e:  # the environment failed: the trajectory ends here, kept with the reason
             log.exception("environment step of trajectory %d failed", row)
             trajectory.finish_reason, trajectory.error, going = ERROR, f"environment: {type(e).__name__}: {e}", False
+        return _Stepped(batch, batch.row_ids[i], row, problem, trajectory, going)
+
+    async def _write_loop(self, stepped: list[asyncio.Task], ready: asyncio.Event, last: asyncio.Event) -> None:
+        """Write what was stepped since the last write, until the last step is written."""
+        while not (last.is_set() and not stepped):
+            await ready.wait()
+            ready.clear()
+            group = [step.result() for step in stepped]
+            del stepped[: len(group)]
+            if group:
+                await asyncio.to_thread(self._write_steps, group)
+
+    def _write_steps(self, group: list["_Stepped"]) -> None:
+        """Each lease's steps that go on as its next turn rows, acking these in the same write; the
+        trajectories that ended into their rollout rows (all in one write), then their turn rows acked."""
         client = self.ctx.client
-        turn_row = batch.row_ids[i]
-        if going:
-            rows, columns = turn_columns([(trajectory, row, problem)], self.limits)
-            await asyncio.to_thread(self._put_next, rows, columns, batch, turn_row)
-            self.counts["turns"] += 1
-            return
-        columns = trajectory_columns(trajectory)
-        await asyncio.to_thread(self._write_once, lambda r, c: client.add_columns(self.ctx.table, r, c), [row], columns)
-        await asyncio.to_thread(client.ack, batch, [turn_row])
-        self.counts["turns"] += 1
+        by_batch: dict[int, list[_Stepped]] = {}
+        for s in group:
+            by_batch.setdefault(id(s.batch), []).append(s)
+        for steps in by_batch.values():
+            going = [s for s in steps if s.going]
+            if going:
+                rows, columns = turn_columns([(s.trajectory, s.row, s.problem) for s in going], self.limits)
+                self._put_next(rows, columns, going[0].batch, [s.turn_row for s in going])
+        ended = [s for s in group if not s.going]
+        if ended:
+            columns = trajectory_columns([s.trajectory for s in ended])
+            self._write_once(lambda r, c: client.add_columns(self.ctx.table, r, c), [s.row for s in ended], columns)
+        for steps in by_batch.values():
+            if rows := [s.turn_row for s in steps if not s.going]:
+                client.ack(steps[0].batch, rows)
+        self.counts["turns"] += len(group)
+        for s in ended:
+            self._finished(s.row, s.trajectory)
+
+    def _put_next(self, rows: list[int], columns: dict, batch: Batch, turn_rows: list[int]) -> None:
+        """The next turns' rows, acking the turns they follow; one by one if some were written before (a
+        step taken twice: then its turn is only acked)."""
+        try:
+            self.ctx.client.put(TURNS, rows, columns, ack=batch, ack_rows=turn_rows)
+        except RowConflictError:
+            for i, (row, turn_row) in enumerate(zip(rows, turn_rows, strict=True)):
+                try:
+                    one = {name: _pick(values, i) for name, values in columns.items()}
+                    self.ctx.client.put(TURNS, [row], one, ack=batch, ack_rows=[turn_row])
+                except RowConflictError:
+                    self.counts["repeated_writes"] += 1
+                    self.ctx.client.ack(batch, [turn_row])
+
+    def _finished(self, row: int, trajectory: Trajectory) -> None:
         self.counts[f"finished_{trajectory.finish_reason}"] += 1
         self.ctx.record(
             "trajectory",
@@ -195,12 +251,18 @@ class EnvironmentRole:
             error=trajectory.error,
         )
 
-    def _put_next(self, rows: list[int], columns: dict, batch: Batch, turn_row: int) -> None:
-        try:
-            self.ctx.client.put(TURNS, rows, columns, ack=batch, ack_rows=[turn_row])
-        except RowConflictError:  # the next turn was written by an earlier take of this step
-            self.counts["repeated_writes"] += 1
-            self.ctx.client.ack(batch, [turn_row])
+
+@dataclass
+class _Stepped:
+    """A step taken, waiting for its write: the lease and turn row it came from, its trajectory's rollout
+    row and problem, the trajectory with the step, and whether it goes on."""
+
+    batch: Batch
+    turn_row: int
+    row: int
+    problem: Problem
+    trajectory: Trajectory
+    going: bool
 
 
 def _pick(values: Sequence | torch.Tensor, i: int) -> Sequence | torch.Tensor:
