@@ -81,8 +81,11 @@ def answer_reward(final_turn: str, problem: Problem) -> float:
 
 
 def in_place(text: str, target: str) -> float:
-    """The share of positions (of the longer string) where `text` has `target`'s character."""
-    return sum(a == b for a, b in zip(text, target, strict=False)) / max(len(text), len(target), 1)
+    """The share of `target`'s digits that `text` has in place, over the longer of the two (a policy is
+    not paid for what every problem has in the same place, such as the operator)."""
+    digits = [i for i, c in enumerate(target) if c.isdigit()]
+    hits = sum(i < len(text) and text[i] == target[i] for i in digits)
+    return hits / max(len(digits) + len(text) - len(target), len(digits), 1)
 
 
 def partial_answer_reward(final_turn: str, problem: Problem) -> float:
@@ -92,13 +95,13 @@ def partial_answer_reward(final_turn: str, problem: Problem) -> float:
 
 
 def call_credit(action: str, results: list[ToolResult], problem: Problem) -> float:
-    """Up to CALL_CREDIT for a turn that calls the calculator: a quarter for opening the call as the
-    tool's format writes it, three quarters by the share of the problem's expression the argument has in
+    """Up to CALL_CREDIT for a turn that opens with a call of the calculator: a quarter for the call as
+    the tool's format writes it, three quarters by the share of the problem's digits the argument has in
     place (nothing for a call the calculator merely answered: a policy paid for any valid expression
     settles on one it can write without reading the problem)."""
-    if CALL_OPEN not in action:
+    if not action.startswith(CALL_OPEN):
         return 0.0
-    argument = action.split(CALL_OPEN, 1)[1].split('"', 1)[0]
+    argument = action.removeprefix(CALL_OPEN).split('"', 1)[0]
     return CALL_CREDIT * (0.25 + 0.75 * in_place(argument, problem.prompt.removesuffix("=")))
 
 
