@@ -14,8 +14,9 @@ conversation repeats one id (the system turn listing the tool, the turn markers,
 around its expression, the tool response's wrapping): the text is Qwen3's template exactly, and a turn
 that calls the tool is 8 ids for two-digit operands. `partial_credit` shapes the reward for learning
 from chance (as tool-learning RL commonly does: credit for the call's format and arguments): a turn
-that calls the calculator earns up to CALL_CREDIT (a quarter for opening the call, three quarters by
-how much of the problem's expression it copied), once per trajectory, and a final answer
+that opens with a call of the calculator earns up to CALL_CREDIT (a quarter for the call, half by how
+many of the problem's digits it copied in place, a quarter for a turn that is the call alone, closed
+and ended), once per trajectory, and a final answer
 that is not exact up to PARTIAL_ANSWER by its digits in place. An exact answer earns 1 and nothing
 else does; `tool=False` poses the same problems without the tool (the baseline: the same reward for
 answers, and no calculator to call or be paid for calling).
@@ -96,13 +97,15 @@ def partial_answer_reward(final_turn: str, problem: Problem) -> float:
 
 def call_credit(action: str, results: list[ToolResult], problem: Problem) -> float:
     """Up to CALL_CREDIT for a turn that opens with a call of the calculator: a quarter for the call as
-    the tool's format writes it, three quarters by the share of the problem's digits the argument has in
-    place (nothing for a call the calculator merely answered: a policy paid for any valid expression
-    settles on one it can write without reading the problem)."""
+    the tool's format writes it, half by the share of the problem's digits the argument has in place
+    (nothing for a call the calculator merely answered: a policy paid for any valid expression settles
+    on one it can write without reading the problem), and a quarter for a turn that is the call alone,
+    closed and ended (a policy paid for a call it never closed wrote on until the turn was cut)."""
     if not action.startswith(CALL_OPEN):
         return 0.0
     argument = action.removeprefix(CALL_OPEN).split('"', 1)[0]
-    return CALL_CREDIT * (0.25 + 0.75 * in_place(argument, problem.prompt.removesuffix("=")))
+    ended = action == CALL_OPEN + argument + CALL_CLOSE + END_OF_TURN
+    return CALL_CREDIT * (0.25 + 0.5 * in_place(argument, problem.prompt.removesuffix("=")) + 0.25 * ended)
 
 
 @functools.cache
