@@ -274,7 +274,8 @@ def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_a
         return asyncio.run(env.step(text)).reward
 
     assert first_call(call("47*93")) == pytest.approx(0.2 * (0.5 + 0.5 * 3 / 4))  # digits in place
-    assert first_call(call("47*8x")) == pytest.approx(0.2 * (0.5 + 0.5 * 3 / 4))  # refused by the calculator
+    assert first_call(call("47*8x")) == pytest.approx(0.2 * (0.25 + 0.5 * 3 / 4))  # refused by the calculator
+    assert first_call(call("47?83")) == pytest.approx(0.2 * (0.25 + 0.5)), "every digit, but no expression"
     assert first_call(call("11*11")) == pytest.approx(0.2 * 0.5)  # answered, no digit of the problem: the "*"
     assert first_call(call("47*831")) == pytest.approx(0.2 * (0.5 + 0.5 * 4 / 5))  # one digit too many
     assert first_call(calculator.CALL_OPEN + "4") == pytest.approx(0.2 * (0.25 + 0.5 / 4))  # cut: not ended

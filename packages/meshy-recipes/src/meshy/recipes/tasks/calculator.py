@@ -15,8 +15,8 @@ around its expression, the tool response's wrapping): the text is Qwen3's templa
 that calls the tool is 8 ids for two-digit operands. `partial_credit` shapes the reward for learning
 from chance (as tool-learning RL commonly does: credit for the call's format and arguments): a turn
 that opens with a call of the calculator earns up to CALL_CREDIT (a quarter for the call, half by how
-many of the problem's digits it copied in place, a quarter for a turn that is the call alone, closed
-and ended), once per trajectory, and a final answer
+many of the problem's digits it copied in place, a quarter for a turn that is the call alone, closed,
+ended and answered), once per trajectory, and a final answer
 that is not exact up to PARTIAL_ANSWER by its digits in place. An exact answer earns 1 and nothing
 else does; `tool=False` poses the same problems without the tool (the baseline: the same reward for
 answers, and no calculator to call or be paid for calling).
@@ -100,12 +100,14 @@ def call_credit(action: str, results: list[ToolResult], problem: Problem) -> flo
     the tool's format writes it, half by the share of the problem's digits the argument has in place
     (nothing for a call the calculator merely answered: a policy paid for any valid expression settles
     on one it can write without reading the problem), and a quarter for a turn that is the call alone,
-    closed and ended (a policy paid for a call it never closed wrote on until the turn was cut)."""
+    closed, ended and answered (a policy paid for a call it never closed wrote on until the turn was cut;
+    one paid for the digits alone wrote any character between them)."""
     if not action.startswith(CALL_OPEN):
         return 0.0
     argument = action.removeprefix(CALL_OPEN).split('"', 1)[0]
-    ended = action == CALL_OPEN + argument + CALL_CLOSE + END_OF_TURN
-    return CALL_CREDIT * (0.25 + 0.5 * in_place(argument, problem.prompt.removesuffix("=")) + 0.25 * ended)
+    answered = len(results) == 1 and results[0].error is None
+    complete = answered and action == CALL_OPEN + argument + CALL_CLOSE + END_OF_TURN
+    return CALL_CREDIT * (0.25 + 0.5 * in_place(argument, problem.prompt.removesuffix("=")) + 0.25 * complete)
 
 
 @functools.cache
