@@ -34,6 +34,15 @@ def engine(max_running=8, version=1, seed=0):
     )
 
 
+async def serve(client, config: InferenceServiceConfig, rows: int):
+    """An inference service on a fresh engine until it has written `rows` rows; its stats."""
+    e = engine()
+    try:
+        return await InferenceService(client, e, config).run(max_rows=rows)
+    finally:
+        await e.close()
+
+
 def test_inference_writes_responses_and_reports_bad_rows_without_stopping(client, unique):
     name = table(client, unique)
     prompts = [torch.tensor([5, 6, 7])] * 6 + [
@@ -46,14 +55,7 @@ def test_inference_writes_responses_and_reports_bad_rows_without_stopping(client
         table=name, max_new_tokens=8, context_length=128, temperature=1.0, seed=3, weights_stream=unique("weights")
     )
 
-    async def serve():
-        e = engine()
-        try:
-            return await InferenceService(client, e, config).run(max_rows=len(prompts))
-        finally:
-            await e.close()
-
-    stats = asyncio.run(serve())
+    stats = asyncio.run(serve(client, config, len(prompts)))
     assert stats.rows == 9 and stats.errors == 3
     batch = client.lease(name, "check", CHECK, count=9, timeout=5)
     c = dict(zip(batch.row_ids, range(9), strict=True))
@@ -92,14 +94,7 @@ def test_rows_of_a_table_with_a_max_new_tokens_column_are_each_cut_at_their_own_
         table=name, max_new_tokens=4, context_length=128, temperature=1.0, seed=3, weights_stream=unique("weights")
     )
 
-    async def serve():
-        e = engine()
-        try:
-            return await InferenceService(client, e, config).run(max_rows=len(budgets))
-        finally:
-            await e.close()
-
-    assert asyncio.run(serve()).errors == 1
+    assert asyncio.run(serve(client, config, len(budgets))).errors == 1
     batch = client.lease(name, "check", CHECK, count=len(budgets), timeout=5)
     by_row = {row: i for i, row in enumerate(batch.row_ids)}
     lengths = [len(batch.columns[cols.RESPONSE_IDS][by_row[row]]) for row in range(len(budgets))]

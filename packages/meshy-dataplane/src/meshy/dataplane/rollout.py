@@ -151,6 +151,17 @@ def unwritten(tasks: Iterable[Task]) -> list[tuple[Task, str]]:
     return [(task, column) for task in tasks for column in task.reads if column not in written]
 
 
+# what the inference role writes for a row it generates, in either table
+GENERATED_COLUMNS = (
+    Column(RESPONSE_IDS, "int64", (None,)),
+    Column(ROLLOUT_LOGPROBS, "float32", (None,)),
+    Column(TOKEN_VERSIONS, "int64", (None,)),
+    Column(FINISH_REASON, "str"),
+    Column(TRUNCATED, "bool"),
+    Column(ERROR, "str"),
+)
+
+
 def rollout_table(
     name: str = "rollout",
     group_size: int = 1,
@@ -166,12 +177,7 @@ def rollout_table(
     columns = [
         Column(PROMPT_IDS, "int64", ragged_int),
         Column(GROUND_TRUTH, "str"),
-        Column(RESPONSE_IDS, "int64", ragged_int),
-        Column(ROLLOUT_LOGPROBS, "float32", ragged_float),
-        Column(TOKEN_VERSIONS, "int64", ragged_int),
-        Column(FINISH_REASON, "str"),
-        Column(TRUNCATED, "bool"),
-        Column(ERROR, "str"),
+        *GENERATED_COLUMNS,
         Column(REWARD, "float32"),
         Column(ADVANTAGE, "float32", ragged_float),
         Column(RETURNS, "float32", ragged_float),
@@ -203,11 +209,6 @@ def turns_table(name: str = "turns", max_row_bytes: int = 64 << 20) -> TableSpec
         Column(POLICY_MASK, "bool", ragged_int),
         Column(HISTORY_LOGPROBS, "float32", ragged_float),
         Column(HISTORY_VERSIONS, "int64", ragged_int),
-        Column(RESPONSE_IDS, "int64", ragged_int),
-        Column(ROLLOUT_LOGPROBS, "float32", ragged_float),
-        Column(TOKEN_VERSIONS, "int64", ragged_int),
-        Column(FINISH_REASON, "str"),
-        Column(TRUNCATED, "bool"),
-        Column(ERROR, "str"),
+        *GENERATED_COLUMNS,
     )
     return TableSpec(name, columns, max_row_bytes=max_row_bytes, retire_after=(OBSERVE_TASK.name,))
