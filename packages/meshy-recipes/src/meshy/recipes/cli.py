@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="run a recipe (default: the embedded CPU demo) with one torchrun")
     run.add_argument("recipe", nargs="?", help="a recipe TOML file or a shipped recipe's name (default: the default)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
+    run.add_argument("--nnodes", type=int, help="nodes the run spans (the recipe's topology.nodes)")
+    run.add_argument("--node-rank", type=int, help="this node's rank, 0 to nnodes - 1 (node 0 hosts the rendezvous)")
+    run.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port, on every node")
+    run.add_argument("--secret-file", help="the run's secret (hex, mode 600), the same file on every node")
     inspect = commands.add_parser("inspect", help="audit a run: versions, loads, GPU grants, staleness, drops")
     inspect.add_argument("run_dir", metavar="RUN_DIR")
     commands.add_parser("recipes", help="list the shipped recipes: model, devices, mode")
@@ -33,7 +37,14 @@ def command(args: argparse.Namespace) -> int:
             from meshy.recipes.catalog import resolve
             from meshy.recipes.run import run as run_recipe
 
-            return run_recipe(None if args.resume else str(resolve(args.recipe)), args.resume)
+            return run_recipe(
+                None if args.resume else str(resolve(args.recipe)),
+                args.resume,
+                nnodes=args.nnodes,
+                node_rank=args.node_rank,
+                rdzv_endpoint=args.rdzv_endpoint,
+                secret_file=args.secret_file,
+            )
         if args.command == "recipes":
             from meshy.recipes.catalog import listing
 

@@ -3,7 +3,7 @@
 Roles meet only through the data plane: the rollout table, the `weights` stream, and the `run` stream,
 on which the training role announces the end of the run. Each process appends what it observed to its
 own record file in the run directory (`records/<role>-<index>.jsonl`), from which `meshy inspect`
-rebuilds the audit.
+rebuilds the audit, and at its end the bytes its data-plane client moved (`records/dataplane/`).
 """
 
 import asyncio
@@ -22,6 +22,7 @@ from meshy.recipes.recipe import Recipe
 from meshy.recipes.topology import Slot
 
 RUN_STREAM = "run"
+TRAFFIC_DIR = "dataplane"  # under records/: each process's bytes to and from each storage unit
 T = TypeVar("T")
 
 
@@ -44,6 +45,16 @@ class RoleContext:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps({"kind": kind, "time": time.time(), **data}) + "\n")
+
+    def record_traffic(self, moved: dict[str, list[int]], storage_nodes: tuple[int, ...]) -> None:
+        """Append the bytes this process's client moved to and from each storage unit (whose nodes are
+        `storage_nodes`) to records/dataplane/ (apart from the role's own records, whose last line is the
+        role's final state)."""
+        path = self.run_dir / "records" / TRAFFIC_DIR / f"{self.slot.role}-{self.slot.index}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = {"time": time.time(), "node": self.slot.node, "storage_nodes": list(storage_nodes), **moved}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def watch_for_stop(self) -> threading.Thread:
         """Set `stop` when the `run` stream says the run is over (a background thread)."""

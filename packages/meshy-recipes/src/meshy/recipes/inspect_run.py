@@ -1,6 +1,6 @@
 """`meshy inspect RUN_DIR`: the control-stream audit and the staleness histogram, from a run's records;
 for a multi-turn run also its trajectories (turns, finish reasons) and tool calls (by name, errors by
-kind, latency)."""
+kind, latency); and the bytes moved between each node's processes and each node's storage units."""
 
 import json
 import statistics
@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from meshy.dataplane import SchemaError, SequenceAudit
+from meshy.recipes.context import TRAFFIC_DIR
 
 
 def _lines(path: Path) -> list[dict]:
@@ -87,10 +88,40 @@ def report(run_dir: str | Path) -> str:
         + "".join(f"\n  dropped: {n} x {reason}" for reason, n in reasons.most_common())
     )
     out += _trajectories(run_dir)
+    out += _traffic(run_dir)
     rewards = [m["reward_mean"] for m in metrics if m.get("reward_mean") is not None]
     if rewards:
         out.append(f"mean reward: first {rewards[0]:.3f}, last {rewards[-1]:.3f}, best {max(rewards):.3f}")
     return "\n".join(out)
+
+
+def _traffic(run_dir: Path) -> list[str]:
+    """The bytes the processes' data-plane clients moved, by the client's node and the storage unit's
+    (every run of a resumed run counted)."""
+    moved: Counter = Counter()
+    for path in (run_dir / "records" / TRAFFIC_DIR).glob("*.jsonl"):
+        for line in _lines(path):
+            for unit, storage_node in enumerate(line["storage_nodes"]):
+                moved[(line["node"], storage_node, "sent")] += line["sent"][unit]
+                moved[(line["node"], storage_node, "received")] += line["received"][unit]
+    pairs = sorted({(client, storage) for client, storage, _ in moved})
+    if not pairs:
+        return []
+    out = ["data-plane bytes, processes on node -> storage units on node: sent (writes), received (reads)"]
+    for client, storage in pairs:
+        sent, received = moved[(client, storage, "sent")], moved[(client, storage, "received")]
+        out.append(f"  node {client} -> node {storage}: sent {_size(sent)}, received {_size(received)}")
+    return out
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"
 
 
 def _trajectories(run_dir: Path) -> list[str]:

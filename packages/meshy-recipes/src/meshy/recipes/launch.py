@@ -1,7 +1,9 @@
 """What every rank runs (started by `meshy.recipes.rank`, torchrun's entry module, once it dies with its agent).
 
-Every rank loads the same recipe and computes the same topology; rank 0 also hosts the data plane
-and publishes its endpoints in torchrun's TCPStore. Each role process then joins its own role's
+Every rank loads the same recipe and computes the same topology, and finds its slot by its node
+(MESHY_NODE_RANK) and its local rank; the first rank of each node hosts that node's data-plane storage
+units, rank 0 also the controller, whose endpoints it publishes in torchrun's TCPStore
+(meshy.recipes.servers). Each role process then joins its own role's
 process group (if the role has several processes) and runs its loop until the run is over. There is
 no driver: roles meet only on the data plane.
 """
@@ -18,12 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshy.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer, Endpoints, secret_from_env
+from meshy.dataplane import DataPlaneClient, DataPlaneError, Endpoints, SchemaError, secret_from_env
 from meshy.recipes.context import RoleContext, announce_stop
 from meshy.recipes.dataflow import tables
 from meshy.recipes.imports import import_object
+from meshy.recipes.nodes import NODE_ADDRESS_ENV, node_address, node_rank
 from meshy.recipes.recipe import Recipe, load_recipe
-from meshy.recipes.topology import Slot, assign
+from meshy.recipes.servers import host_servers
+from meshy.recipes.topology import Slot, assign, on_node
 from meshy.recipes.watchdog import Watchdog
 from meshy.recipes.weight_sync import join_weight_sync
 from meshy.train.parallel import init_process_group
@@ -54,8 +58,15 @@ def run_dir(recipe: Recipe) -> Path:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     recipe = load_recipe(argv[0] if argv else None)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    slot = assign(recipe, world, gpus_per_node=torch.cuda.device_count())[rank]
+    node = node_rank(recipe)
+    slots = assign(recipe, int(os.environ["WORLD_SIZE"]), gpus_per_node=torch.cuda.device_count())
+    here = on_node(slots, node)
+    if int(os.environ["LOCAL_WORLD_SIZE"]) != len(here):
+        raise SchemaError(
+            f"node {node} runs {len(here)} processes of the recipe, but torchrun started "
+            f"{os.environ['LOCAL_WORLD_SIZE']} here (--nproc-per-node={len(here)}; meshy check prints each node's)"
+        )
+    slot = here[int(os.environ["LOCAL_RANK"])]
     if slot.devices:  # "cuda" without an index means the slot's GPU in this process, not GPU 0
         torch.cuda.set_device(slot.device)
         fraction = dict(recipe.roles.items())[slot.role].memory_fraction
@@ -64,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.set_per_process_memory_fraction(fraction, device)
     directory = run_dir(recipe)
     (directory / "logs").mkdir(parents=True, exist_ok=True)
+    world = recipe.world_size
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -72,12 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         timeout=timedelta(seconds=600),
     )
     secret = secret_from_env()
-    server = None
-    if rank == 0:
-        with open(directory / "logs" / "dataplane.log", "ab") as log:  # the servers keep their own descriptor
-            server = DataPlaneServer.start(secret, recipe.dataplane, log=log)
-        server.publish(store)
-    client = DataPlaneClient(Endpoints.from_store(store), secret, recipe.dataplane, name=f"{slot.role}{slot.index}")
+    address = os.environ.get(NODE_ADDRESS_ENV) or node_address(recipe, node, os.environ["MASTER_ADDR"])
+    server = host_servers(recipe, slot, slot is here[0], address, store, secret, directory / "logs")
+    endpoints = Endpoints.from_store(store)
+    client = DataPlaneClient(endpoints, secret, recipe.dataplane, name=f"{slot.role}{slot.index}", node=slot.node)
     for spec in tables(recipe):
         client.create_table(spec)
     if slot.count > 1:
@@ -89,9 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     weight_sync = join_weight_sync(recipe, slot, store)
     ctx = RoleContext(recipe, slot, directory, client, weight_sync=weight_sync)
-    ctx.record("start", rank=rank, pid=os.getpid(), dataplane=server.pids if server is not None else None)
+    servers = server.pids if server is not None else None
+    ctx.record("start", rank=slot.rank, node=slot.node, pid=os.getpid(), dataplane=servers, address=address)
     watched = [spec.name for spec in tables(recipe)]
-    watchdog = Watchdog(client, watched, directory, recipe.stall_after_s) if server is not None else None
+    watchdog = Watchdog(client, watched, directory, recipe.stall_after_s) if slot.rank == 0 else None
     if watchdog is not None:
         watchdog.start()
     failed = False
@@ -108,11 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if watchdog is not None:
             watchdog.stop()
-        store.add(DONE_KEY, 1)
-        if server is not None:
+        ctx.record_traffic(client.storage_bytes(), endpoints.storage_nodes)
+        with contextlib.suppress(dist.DistError):  # the store's node may be gone: nobody is left to wait for
+            store.add(DONE_KEY, 1)
             deadline = time.monotonic() + 120
-            while store.add(DONE_KEY, 0) < world and time.monotonic() < deadline:
-                time.sleep(0.2)
+            while server is not None and store.add(DONE_KEY, 0) < world and time.monotonic() < deadline:
+                time.sleep(0.2)  # others may still read what this node's storage units hold
         client.close()
         if server is not None:
             server.shutdown()
