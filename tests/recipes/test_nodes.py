@@ -191,3 +191,11 @@ def test_meshy_check_prints_which_node_and_rank_runs_which_role_and_refuses_othe
     other = meshy("check", str(recipe), "--nnodes", "3")
     assert other.returncode == 2
     assert "--nnodes 3: recipe arithmetic-tiny is laid out for topology.nodes = 2" in other.stderr
+
+
+def test_the_shipped_two_node_recipes_are_listed_with_their_nodes():
+    from meshy.recipes.catalog import listing
+
+    rows = {line.split()[0]: line for line in listing().splitlines()}
+    assert "  2 x 8 GPU  grpo, fully asynchronous" in rows["qwen3-1.7b-grpo-dapo-2x8gpu"]
+    assert "  2 x 8 GPU  grpo, off-policy (W=2)" in rows["qwen3-30b-a3b-grpo-dapo-2x8gpu"]

@@ -14,6 +14,8 @@ EXPECTED_GPUS = {
     "qwen3-1.7b-python-math-8gpu": 8,
     "qwen3-8b-grpo-dapo-8gpu": 8,
     "qwen3-30b-a3b-grpo-dapo-8gpu": 8,
+    "qwen3-1.7b-grpo-dapo-2x8gpu": 8,  # GPUs per node (EXPECTED_NODES)
+    "qwen3-30b-a3b-grpo-dapo-2x8gpu": 8,
     "minicpm5-1b-grpo-ultradata-8gpu": 8,
     "minicpm5-1b-grpo-ultradata-4gpu": 4,
     "minicpm5-2b-grpo-ultradata-8gpu": 8,
@@ -24,6 +26,7 @@ EXPECTED_GPUS = {
     "smollm2-135m-tools-cpu": 0,
     "default": 0,
 }
+EXPECTED_NODES = {"qwen3-1.7b-grpo-dapo-2x8gpu": 2, "qwen3-30b-a3b-grpo-dapo-2x8gpu": 2}  # the rest: one
 
 
 def test_the_shipped_recipes_are_the_ones_documented():
@@ -37,17 +40,20 @@ def test_a_shipped_recipe_validates_and_its_topology_resolves(name):
     check_imports(recipe)
     gpus = gpus_needed(recipe)
     assert gpus == EXPECTED_GPUS[name]
+    assert recipe.topology.nodes == EXPECTED_NODES.get(name, 1)
     slots = assign(recipe, recipe.world_size, gpus_per_node=gpus)
-    assert slots[0].role == "training", "rank 0 trains and hosts the data plane"
-    used = {d for slot in slots.values() for d in slot.devices}
-    assert used == set(range(gpus)), "every GPU used, none twice outside a colocation ring"
+    assert slots[0].role == "training" and slots[0].node == 0, "rank 0 trains and hosts the data plane"
+    for node in range(recipe.topology.nodes):
+        used = {d for slot in slots.values() if slot.node == node for d in slot.devices}
+        assert used == set(range(gpus)), f"node {node}: every GPU used"
     for ring in recipe.colocate:
         members = [s for s in slots.values() if s.role in ring]
         by_index = {}
         for slot in members:
-            by_index.setdefault(slot.index, set()).add(slot.devices)
-        assert all(len(devices) == 1 for devices in by_index.values()), "ring members share their devices"
-    assert topology(recipe).count("\n") == recipe.world_size + 1
+            by_index.setdefault(slot.index, set()).add((slot.node, slot.devices))
+        assert all(len(devices) == 1 for devices in by_index.values()), "ring members share their node's devices"
+    nodes = recipe.topology.nodes
+    assert topology(recipe).count("\n") == recipe.world_size + 1 + (nodes if nodes > 1 else 0), "a line per node too"
 
 
 def test_the_justrl2_recipe_carries_the_published_hyperparameters():

@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     weight_sync = join_weight_sync(recipe, slot, store)
     ctx = RoleContext(recipe, slot, directory, client, weight_sync=weight_sync)
     servers = server.pids if server is not None else None
-    ctx.record("start", rank=slot.rank, node=slot.node, pid=os.getpid(), dataplane=servers, address=address)
+    published = endpoints.to_json() if slot.rank == 0 else None  # where the data plane listens, for audits
+    where = {"rank": slot.rank, "node": slot.node, "address": address}
+    ctx.record("start", **where, pid=os.getpid(), dataplane=servers, endpoints=published)
     watched = [spec.name for spec in tables(recipe)]
     watchdog = Watchdog(client, watched, directory, recipe.stall_after_s) if slot.rank == 0 else None
     if watchdog is not None:
