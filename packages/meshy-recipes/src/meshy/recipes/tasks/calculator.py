@@ -9,7 +9,7 @@ exactly the result, else 0.
 The calculator evaluates only `integer op integer` (no eval of anything else): what the policy writes
 is untrusted, and anything else is an error observation.
 
-For a model built from scratch (the `calculator-tiny` recipe), `tokenizer()` makes each string the
+For a model built from scratch, `tokenizer()` makes each string the
 conversation repeats one id (the system turn listing the tool, the turn markers, the tool call's JSON
 around its expression, the tool response's wrapping): the text is Qwen3's template exactly, and a turn
 that calls the tool is 8 ids for two-digit operands. `partial_credit` shapes the reward for learning
