@@ -23,6 +23,7 @@ JOIN_TIMEOUT_S = 600.0  # as long as torchrun waits for the nodes to join its re
 STORE_TIMEOUT_S = 10.0  # one store call once every node has joined; longer means its host is gone
 NODE_LOST_S = 20.0  # a node whose heartbeat has not moved for this long is gone
 POLL_S = 0.2
+SAY_WAITING_S = 5.0  # a wait at start longer than this is said (a node not started yet, most likely)
 _KEY = "meshy/cluster/"
 
 
@@ -58,16 +59,17 @@ class Cluster:
             time.sleep(POLL_S)
 
     def _wait(self, keys: list[str], what: str) -> list[bytes]:
-        deadline, said = time.monotonic() + JOIN_TIMEOUT_S, False
+        started, said = time.monotonic(), False
         try:
             while not self.store.check(keys):
                 if self.store.check([f"{_KEY}refused"]):
                     refused = json.loads(self.store.get(f"{_KEY}refused"))
                     self.store.add(f"{_KEY}refused-read", 1)
                     raise SchemaError(f"node {refused['node']} refused the run: {refused['message']}")
-                if time.monotonic() > deadline:
+                waited = time.monotonic() - started
+                if waited > JOIN_TIMEOUT_S:
                     raise SchemaError(f"no {what} within {JOIN_TIMEOUT_S:.0f} s: are all {self.nodes} nodes started?")
-                if not said:
+                if waited > SAY_WAITING_S and not said:
                     waiting = f"meshy: node {self.node}: waiting for {what} at {self.endpoint}"
                     print(waiting, file=sys.stderr, flush=True)
                     said = True

@@ -233,10 +233,10 @@ def stopped_report(
         saved = newest.name if newest is not None else None
     since = f"its newest checkpoint, {saved}" if saved is not None else "the start (no checkpoint yet)"
     stall = directory / "logs" / STALL_REPORT
-    cause = f"it stalled (what each task waited for: {stall}); " if stall.is_file() else ""
+    stalled = f"; it stalled (what each task waited for: {stall})" if stall.is_file() else ""
     where = "" if not resume_flags else f" on every node (each with its own --node-rank; this is node {node})"
     return (
-        f"meshy: run {directory} stopped before finishing (torchrun exit code {code}); {cause}"
+        f"meshy: run {directory} stopped before finishing (torchrun exit code {code}){stalled}"
         + "".join(f"\nmeshy: {c}" for c in causes)
         + f"\nmeshy: logs in {directory / 'logs'}.\n"
         f"meshy: continue from {since}{where} with: meshy run --resume {directory}{resume_flags}"
