@@ -231,6 +231,29 @@ def test_a_death_on_one_node_stops_every_node_within_a_minute_and_the_run_resume
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("gone", "said"),
+    [
+        (1, "node 1 stopped answering (no heartbeat for 20 s): its meshy run, torchrun agent or machine is gone"),
+        (0, "meshy run --resume"),  # node 1 notices the store, or its ranks the data plane, whichever first
+    ],
+)
+def test_a_node_whose_meshy_run_vanishes_is_noticed_by_the_other_within_a_minute(tmp_path, two_nodes, gone, said):
+    """SIGKILL one node's meshy run (its torchrun and ranks die with it, as with the machine): the node
+    left stops on its own and says what to do."""
+    recipe = long_split_recipe(tmp_path, 1_000_000)  # a run that cannot end by itself meanwhile
+    nodes = two_nodes(tmp_path, free_port(), [str(recipe)])
+    wait_for_version(nodes, tmp_path, 1)
+    os.kill(nodes.nodes[gone].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    codes = nodes.wait(STOP_WITHIN_S + 30)
+    left = 1 - gone
+    assert codes[left] not in (None, 0), f"the node left stops, and not as a success: {codes}"
+    assert time.monotonic() - killed_at < STOP_WITHIN_S
+    assert said in nodes.outputs[left][1], nodes.outputs[left][1][-3000:]
+
+
+@pytest.mark.slow
 def test_a_run_directory_that_is_not_shared_is_refused_before_any_rank_starts(tmp_path, two_nodes):
     """publish = "disk" with inference on node 1: node 1 must read what training writes on node 0. A
     relative run_dir from two working directories is two directories."""

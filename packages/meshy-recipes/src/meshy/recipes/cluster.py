@@ -22,6 +22,7 @@ from meshy.dataplane import SchemaError
 JOIN_TIMEOUT_S = 600.0  # as long as torchrun waits for the nodes to join its rendezvous
 STORE_TIMEOUT_S = 10.0  # one store call once every node has joined; longer means its host is gone
 NODE_LOST_S = 20.0  # a node whose heartbeat has not moved for this long is gone
+SILENT = f"stopped answering (no heartbeat for {NODE_LOST_S:.0f} s): its meshy run, torchrun agent or machine is gone"
 POLL_S = 0.2
 SAY_WAITING_S = 5.0  # a wait at start longer than this is said (a node not started yet, most likely)
 _KEY = "meshy/cluster/"
@@ -110,23 +111,24 @@ class Cluster:
         try:
             self.store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
             self.store.add(f"{_KEY}beat/{self.node}", 1)
-            for other, (seen, since) in self._beats.items():
+            for other in self._beats:
                 ended = self.status(other)
                 if ended is not None:
                     if ended["cause"]:
                         return f"node {other} stopped: {ended['message']}"
-                    continue
-                count = self.store.add(f"{_KEY}beat/{other}", 0)
-                if count != seen:
-                    self._beats[other] = (count, time.monotonic())
-                elif time.monotonic() - since > NODE_LOST_S:
-                    return (
-                        f"node {other} stopped answering (no heartbeat for {NODE_LOST_S:.0f} s): its meshy run, "
-                        "torchrun agent or machine is gone"
-                    )
+                elif self._silent(other):
+                    return f"node {other} {SILENT}"
         except dist.DistError:
             return f"the run's store on node 0 ({self.endpoint}) is gone: node 0's meshy run or machine stopped"
         return None
+
+    def _silent(self, other: int) -> bool:
+        """Whether node `other`'s heartbeat has not moved for NODE_LOST_S (its meshy run beats until it exits)."""
+        count, (seen, since) = self.store.add(f"{_KEY}beat/{other}", 0), self._beats[other]
+        if count != seen:
+            self._beats[other] = (count, time.monotonic())
+            return False
+        return time.monotonic() - since > NODE_LOST_S
 
     # ---- after torchrun -----------------------------------------------------------------------
     def post(self, failed: bool, cause: bool, message: str, newest_checkpoint: str | None) -> None:
@@ -141,20 +143,24 @@ class Cluster:
 
     def statuses(self, timeout_s: float) -> dict[int, dict[str, Any] | None]:
         """Every node's posted end, waiting up to `timeout_s` for those not posted yet (None: never came,
-        or the store went away first). Node 0, whose exit takes the store with it, then waits (as long
-        again at most) until every node has read them."""
+        or the store went away first; a silent node is not waited for). Node 0, whose exit takes the store
+        with it, then waits (as long again at most) until every node still answering has read them."""
         deadline = time.monotonic() + timeout_s
         seen: dict[int, dict[str, Any] | None] = {}
         try:
-            while None in seen.values() or not seen:
+            while True:
+                self.store.add(f"{_KEY}beat/{self.node}", 1)
                 seen = {n: self.status(n) for n in range(self.nodes)}
-                if time.monotonic() > deadline:
+                waiting = [n for n, s in seen.items() if s is None and n != self.node and not self._silent(n)]
+                if not waiting or time.monotonic() > deadline:
                     break
                 time.sleep(POLL_S)
-            self.store.add(f"{_KEY}statuses-read", 1)
+            self.store.set(f"{_KEY}statuses-read/{self.node}", "1")
             deadline = time.monotonic() + timeout_s
-            while self.node == 0 and self.store.add(f"{_KEY}statuses-read", 0) < self.nodes:
-                if time.monotonic() > deadline:
+            while self.node == 0 and time.monotonic() < deadline:
+                self.store.add(f"{_KEY}beat/{self.node}", 1)
+                unread = [n for n in self._beats if not self.store.check([f"{_KEY}statuses-read/{n}"])]
+                if all(self._silent(n) for n in unread):
                     break
                 time.sleep(POLL_S)
         except dist.DistError:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from meshy.dataplane import SchemaError
 from meshy.dataplane.security import SECRET_ENV
 from meshy.recipes.catalog import check_nodes
-from meshy.recipes.cluster import Cluster, parse_endpoint
+from meshy.recipes.cluster import SILENT, Cluster, parse_endpoint
 from meshy.recipes.launch import RUN_DIR_ENV
 from meshy.recipes.nodes import INTERFACE_ENVS, NODE_ADDRESS_ENV, NODE_RANK_ENV, interface_of, node_address
 from meshy.recipes.parent_death import die_with_parent
@@ -187,6 +187,7 @@ class NodeRun:
             ((n, s) for n, s in statuses.items() if s is not None and s["cause"]), key=lambda item: item[1]["time"]
         )
         reports = [f"node {n}: {s['message']}" for n, s in causes] or [f"node {self.node}: {message}"]
+        reports += [f"node {n} {SILENT}" for n, s in statuses.items() if s is None and n != self.node]
         saved = (statuses.get(0) or {}).get("checkpoint")  # node 0's trainer keeps the checkpoints
         text = stopped_report(self.recipe, directory, code, reports, self.resume_flags, saved, self.node)
         print(text, file=sys.stderr, flush=True)
