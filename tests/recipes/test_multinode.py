@@ -294,3 +294,49 @@ def test_the_default_recipe_split_over_two_nodes_climbs_past_0_9_with_each_produ
     rows = {line.split(":")[0].strip(): line for line in traffic[1:] if "->" in line}
     assert rows["node 1 -> node 0"].endswith("sent 0 B, received 0 B"), "node 1's producers wrote locally"
     assert rows["node 0 -> node 0"].endswith("sent 0 B, received 0 B"), "nothing is stored on node 0"
+
+
+@pytest.mark.slow
+def test_plain_torchrun_on_each_node_runs_the_recipe_over_both(tmp_path):
+    """The same run without `meshy run`: `torchrun --nnodes 2 --node-rank R ... -m meshy.recipes.launch
+    RECIPE` on each node (torchrun's static rendezvous), the secret in the environment. Each rank takes
+    its node from torchrun's node rank; the run trains every version once."""
+    recipe = long_split_recipe(tmp_path, STEPS)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), SECRET_ENV: os.urandom(32).hex()}
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={node}",
+                f"--nproc-per-node={processes}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "--max-restarts=0",
+                "-m",
+                "meshy.recipes.launch",
+                str(recipe),
+            ],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node, processes in ((0, 1), (1, 2))  # training on node 0; inference and rollout on node 1
+    ]
+    try:
+        errors = [agent.communicate(timeout=300)[1] for agent in agents]
+    finally:
+        for agent in agents:
+            kill_tree(agent)
+    assert [agent.returncode for agent in agents] == [0, 0], [e[-3000:] for e in errors]
+    run_dir = tmp_path / "arithmetic-tiny"
+    check_run(run_dir, 0, steps=STEPS)
+    traffic = report(run_dir).split("data-plane bytes")[1].splitlines()
+    rows = {line.split(":")[0].strip(): line for line in traffic[1:] if "->" in line}
+    assert rows["node 1 -> node 0"].endswith("sent 0 B, received 0 B"), "node 1's ranks are on node 1"
+    assert not rows["node 0 -> node 1"].endswith("received 0 B"), "node 0's trainer read node 1's rows"

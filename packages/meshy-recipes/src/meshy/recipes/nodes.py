@@ -1,6 +1,7 @@
 """Where a process of a run is: its node's rank and its node's address.
 
-`meshy run --node-rank R` hands both to every rank in the environment. A node's address is the one the
+`meshy run --node-rank R` hands both to every rank in the environment; under a plain `torchrun` the node's
+rank is torchrun's own. A node's address is the one the
 recipe names for it (topology.addresses), or that of the interface that routes to the rendezvous host;
 its data-plane servers bind it, and its collectives (gloo, NCCL) use that interface.
 """
@@ -16,22 +17,27 @@ from meshy.recipes.recipe import Recipe
 
 NODE_RANK_ENV = "MESHY_NODE_RANK"
 NODE_ADDRESS_ENV = "MESHY_NODE_ADDRESS"
+GROUP_RANK_ENV = "GROUP_RANK"  # torchrun's rank of this node
 INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # set to the node's interface unless set
 _SIOCGIFADDR = 0x8915
 
 
 def node_rank(recipe: Recipe) -> int:
-    """This process's node (MESHY_NODE_RANK; 0 for a run on one node)."""
-    value = os.environ.get(NODE_RANK_ENV)
-    if value is None:
-        if recipe.topology.nodes > 1:
+    """This process's node: MESHY_NODE_RANK (`meshy run --node-rank` sets it), else torchrun's own node rank
+    (GROUP_RANK: `--node-rank` under torchrun's static rendezvous; the order of joining under c10d); 0 for
+    a run on one node."""
+    name, value = NODE_RANK_ENV, os.environ.get(NODE_RANK_ENV)
+    if value is None and recipe.topology.nodes > 1:
+        name, value = GROUP_RANK_ENV, os.environ.get(GROUP_RANK_ENV)
+        if value is None:
             raise SchemaError(
                 f"{NODE_RANK_ENV} is not set: every process of a run over {recipe.topology.nodes} nodes needs its "
                 "node's rank (meshy run --node-rank sets it)"
             )
+    if value is None:
         return 0
     if not value.isdigit() or int(value) >= recipe.topology.nodes:
-        raise SchemaError(f"{NODE_RANK_ENV}={value}: expected a node below topology.nodes = {recipe.topology.nodes}")
+        raise SchemaError(f"{name}={value}: expected a node below topology.nodes = {recipe.topology.nodes}")
     return int(value)
 
 
