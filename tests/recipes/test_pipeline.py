@@ -140,7 +140,11 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
         f"weights versions trained and published: {STEPS} (v1..v{STEPS})  gaps []  duplicates []  reordered []" in lines
     )
     assert f"'training': {STEPS}" in next(line for line in lines if line.startswith("ring "))
-    assert re.search(r"^staleness of trained tokens \(versions behind\): 0: \d+ \(100\.0%\)$", audit.stdout, re.M)
+    assert re.search(
+        r"^staleness of policy tokens as they reached training \(versions behind; [^)]*\): 0: \d+ \(100\.0%\)$",
+        audit.stdout,
+        re.M,
+    )
     assert f"rows trained {STEPS * GROUPS * GROUP}, dropped 0" in lines
 
 

@@ -71,14 +71,14 @@ def report(run_dir: str | Path) -> str:
         histogram.update(m.get("staleness_histogram", {}))
     total = sum(histogram.values())
     out.append(
-        "staleness of trained tokens (versions behind): "
+        "staleness of policy tokens as they reached training (versions behind; max_staleness masks older ones): "
         + (
             ", ".join(
                 f"{k}: {v} ({v / total:.1%})"
                 for k, v in sorted(histogram.items(), key=lambda kv: int(kv[0].lstrip(">=")))
             )
             if total
-            else "no trained tokens"
+            else "no policy tokens reached training"
         )
     )
     reasons = Counter(d["reason"] for m in metrics for d in m.get("dropped", []))

@@ -156,13 +156,19 @@ def worked_examples(count: int, tool_format: str) -> tuple[Message, ...]:
     return tuple(turns)
 
 
-def tokenizer(template: str = "qwen3") -> PieceTokenizer:
+def tokenizer(template: str = "qwen3", digits_per_piece: int = 1) -> PieceTokenizer:
     """The pieces of the calculator's conversations in `template` (with and without the tool listed, with
-    and without Qwen3's empty thinking block), one id each, then the characters of problems and answers."""
+    and without Qwen3's empty thinking block), one id each, then the characters of problems and answers.
+    digits_per_piece: numbers split into pieces of up to this many digits, left to right (Llama 3's
+    tokenizer groups up to 3), so that copying a two-digit operand is copying one id."""
+    if digits_per_piece not in (1, 2, 3):
+        raise SchemaError(f"tokenizer_options.digits_per_piece: expected 1, 2 or 3, got {digits_per_piece!r}")
     pieces = ["<|endoftext|>", "<|im_start|>", END_OF_TURN, "<think>\n\n</think>\n\n"]
     for tools in ([CALCULATOR.schema()], []):
         head, tail = render(template, [Message("user", _MARK)], tools=tools).split(_MARK)
         pieces += [head, tail]
     pieces += [*observation(template, [_MARK]).split(_MARK), CALL_OPEN, CALL_CLOSE]
     pieces += list("0123456789+-*= \n?")
+    for width in range(2, digits_per_piece + 1):
+        pieces += [str(n).zfill(width) for n in range(10**width)]
     return PieceTokenizer(list(dict.fromkeys(pieces)), bos="<|endoftext|>", eos=END_OF_TURN, unknown="?")
