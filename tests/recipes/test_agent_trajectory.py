@@ -262,6 +262,18 @@ def test_the_calculator_tokenizer_makes_each_repeated_piece_of_its_conversations
     assert tokenizer.decode(tokenizer.encode("7/2")) == "7?2" and tokenizer.decode([27, 500]) == "?"
 
 
+def test_the_calculator_tokenizer_can_split_numbers_into_pieces_of_several_digits():
+    tokenizer = calculator.tokenizer(digits_per_piece=2)
+    assert tokenizer.vocab_size == 28 + 100
+    for text, pieces in (("47*38=", ["47", "*", "38", "="]), ("1786", ["17", "86"]), ("100", ["10", "0"])):
+        ids = tokenizer.encode(text)
+        assert [tokenizer.decode([i]) for i in ids] == pieces and tokenizer.decode(ids) == text
+    three = calculator.tokenizer(digits_per_piece=3)
+    assert [three.decode([i]) for i in three.encode("1234567")] == ["123", "456", "7"]
+    with pytest.raises(SchemaError, match=r"tokenizer_options.digits_per_piece: expected 1, 2 or 3, got 4"):
+        calculator.tokenizer(digits_per_piece=4)
+
+
 def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_an_exact_answer_pays_1():
     problem = calculator.Problem("47*83=", "3901")
 
