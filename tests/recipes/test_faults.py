@@ -134,6 +134,45 @@ def run_processes(run_dir) -> list[int]:
     return [*pids, servers["launcher"], servers["controller"], *servers["storage"]]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_meshy_run_stops_every_process_of_the_run(tmp_path, signum):
+    """SIGTERM (a scheduler, `timeout`, `kill`) to meshy run alone: it stops torchrun and its ranks and
+    says how to resume. SIGKILL: nothing is said, and nothing is left running."""
+    recipe = small_recipe(tmp_path, "1", steps=1_000_000)  # a run that cannot end by itself meanwhile
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    meshy = subprocess.Popen(
+        [*COMMAND, str(recipe)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    started: dict[int, str | None] = {}
+    try:
+        run_dir = wait_for_version(meshy, tmp_path, 1)
+        started = {pid: start_time(pid) for pid in [*children(meshy.pid), *run_processes(run_dir)]}
+        assert None not in started.values() and len(started) == 7, started  # torchrun, 3 ranks, 3 servers
+        os.kill(meshy.pid, signum)
+        _, stderr = meshy.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(start_time(p) == s for p, s in started.items()):
+            time.sleep(0.1)
+        alive = [pid for pid, at in started.items() if start_time(pid) == at]
+        assert not alive, f"processes left running after meshy run was sent {signum.name}: {alive}"
+        if signum == signal.SIGTERM:
+            assert meshy.returncode not in (0, -signal.SIGTERM), stderr[-2000:]
+            assert "meshy: meshy run was sent SIGTERM and stopped torchrun and its ranks" in stderr, stderr[-2000:]
+            assert f"meshy run --resume {run_dir}" in stderr
+    finally:
+        kill_tree(meshy)
+        for pid, at in started.items():  # a failed run leaves orphans no longer under meshy: kill them by pid
+            if start_time(pid) == at:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        meshy.wait()
+
+
 def test_killing_torchrun_takes_every_process_of_the_run_with_it(tmp_path):
     recipe = small_recipe(tmp_path, "1", steps=1_000_000)  # a run that cannot end by itself meanwhile
     env = {**os.environ, "PYTHONPATH": str(REPO)}

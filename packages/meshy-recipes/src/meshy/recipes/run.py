@@ -9,6 +9,7 @@ another fails. Every node then prints which rank died and the one command that r
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,14 +86,34 @@ def run_one_node(recipe: Recipe, directory: Path, secret: bytes) -> int:
     announce(recipe, directory)
     env = {**os.environ, SECRET_ENV: secret.hex(), RUN_DIR_ENV: str(directory.resolve())}
     command = [*TORCHRUN, "--standalone", f"--nproc-per-node={recipe.world_size}", *rank_module(directory)]
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
-    output = TorchrunOutput(process)
-    code = process.wait()
+    torchrun = Torchrun(command, env)
+    output = TorchrunOutput(torchrun.process)
+    code = torchrun.process.wait()
     root = output.finish()
     if code != 0:
         slots = assign(recipe, recipe.world_size)
-        print(stopped_report(recipe, directory, code, [failure(0, on_node(slots, 0), code, root)]), file=sys.stderr)
+        cause = torchrun.stopped_by or failure(0, on_node(slots, 0), code, root)
+        print(stopped_report(recipe, directory, code, [cause]), file=sys.stderr)
     return code
+
+
+class Torchrun:
+    """This node's torchrun, which never outlives `meshy run`: SIGINT or SIGTERM to meshy run asks it to
+    stop its ranks (it exits, and meshy run says how to resume), and if meshy run dies without a word
+    (SIGKILL) the kernel kills torchrun, whose ranks die with it (meshy.recipes.parent_death)."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.stopped_by: str | None = None  # why meshy run stopped it, if it did
+        self.process = subprocess.Popen(
+            command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=die_with_parent
+        )
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._stop)
+
+    def _stop(self, signum: int, _frame: object) -> None:
+        self.stopped_by = f"meshy run was sent {signal.Signals(signum).name} and stopped torchrun and its ranks"
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
 
 
 class NodeRun:
@@ -156,9 +177,8 @@ class NodeRun:
             "--max-restarts=0",
             *rank_module(directory),
         ]
-        process = subprocess.Popen(
-            command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=die_with_parent
-        )
+        torchrun = Torchrun(command, env)
+        process = torchrun.process
         output = TorchrunOutput(process)
         stopped, stop_asked = None, 0.0
         while process.poll() is None:
@@ -175,7 +195,7 @@ class NodeRun:
             failed, cause, message = True, False, f"stopped its ranks: {stopped}"
         else:
             failed = cause = code != 0
-            message = failure(self.node, self.here, code, root) if failed else "finished"
+            message = (torchrun.stopped_by or failure(self.node, self.here, code, root)) if failed else "finished"
         newest = checkpoint.latest(directory / "checkpoints")
         with contextlib.suppress(dist.DistError):
             self.cluster.post(failed, cause, message, newest.name if newest is not None else None)
