@@ -303,7 +303,16 @@ def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_a
     again = calculator.environment(partial_credit=True)  # the next step, in another process
     asyncio.run(again.reset(problem))
     restore_state(again, saved_state(env))
-    assert asyncio.run(again.step(call("47*83"))).reward == 0.0 and saved_state(again) == {"called": True}
+    assert asyncio.run(again.step(call("47*83"))).reward == 0.0
+    assert saved_state(again) == {"called": True, "shown": "3901"}
+    wrong = calculator.environment(partial_credit=True)  # a call of the wrong product, then its result
+    asyncio.run(wrong.reset(problem))
+    assert asyncio.run(wrong.step(call("47*93"))).results == ["4371"]
+    later = calculator.environment(partial_credit=True)
+    asyncio.run(later.reset(problem))
+    restore_state(later, saved_state(wrong))
+    assert asyncio.run(later.step("4371<|im_end|>")).reward == pytest.approx(0.2), "the result carried over in full"
+    assert asyncio.run(later.step("4301<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4), "the better of the two"
     bare = calculator.environment(tool=False, partial_credit=True)  # the baseline: no tool, no credit for calls
     asyncio.run(bare.reset(problem))
     step = asyncio.run(bare.step(call("47*83")))

@@ -16,9 +16,10 @@ that calls the tool is 8 ids for two-digit operands. `partial_credit` shapes the
 from chance (as tool-learning RL commonly does: credit for the call's format and arguments): a turn
 that opens with a call of the calculator earns up to CALL_CREDIT (a quarter for the call, half by how
 many of the problem's digits it copied in place, a quarter for a turn that is the call alone, closed,
-ended and answered), once per trajectory, and a final answer
-that is not exact up to PARTIAL_ANSWER by its digits in place. An exact answer earns 1 and nothing
-else does; `tool=False` poses the same problems without the tool (the baseline: the same reward for
+ended and answered), once per trajectory, and a final answer that is not exact up to PARTIAL_ANSWER by
+its digits in place, in the right answer or in the calculator's last result (a policy learns to carry
+the result into its answer while it still learns to write the call). An exact answer earns 1 and
+nothing else does; `tool=False` poses the same problems without the tool (the baseline: the same reward for
 answers, and no calculator to call or be paid for calling).
 
 A pretrained model that was not tuned to call tools (SmolLM2-135M-Instruct: its tuning data has no
@@ -34,7 +35,7 @@ import re
 from collections.abc import Iterator
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.agents.environment import ToolEnvironment
+from meshy.recipes.agents.environment import Step, ToolEnvironment
 from meshy.recipes.agents.tool_calls import ToolCall, write_tool_calls
 from meshy.recipes.agents.tools import Tool, ToolBox, ToolResult
 from meshy.recipes.tasks.arithmetic import Problem
@@ -89,10 +90,14 @@ def in_place(text: str, target: str) -> float:
     return hits / max(len(digits) + len(text) - len(target), len(digits), 1)
 
 
-def partial_answer_reward(final_turn: str, problem: Problem) -> float:
-    """1.0 for exactly the answer; else up to PARTIAL_ANSWER, by the answer's digits in place."""
+def partial_answer_reward(final_turn: str, problem: Problem, shown: str = "") -> float:
+    """1.0 for exactly the answer; else up to PARTIAL_ANSWER, by the answer's digits in place in the right
+    answer or in `shown`, the calculator's last result (so a policy learns to carry the result into its
+    answer while it still learns to write the call right)."""
     answer = final_turn.split(END_OF_TURN)[0].strip()
-    return 1.0 if answer == problem.answer else PARTIAL_ANSWER * in_place(answer, problem.answer)
+    if answer == problem.answer:
+        return 1.0
+    return PARTIAL_ANSWER * max(in_place(answer, problem.answer), in_place(answer, shown) if shown else 0.0)
 
 
 def call_credit(action: str, results: list[ToolResult], problem: Problem) -> float:
@@ -131,14 +136,43 @@ def environment(
         raise SchemaError(
             f"examples: expected 0..{MAX_EXAMPLES} worked problems (0 without the tool), got {examples!r}"
         )
-    return ToolEnvironment(
+    return CalculatorEnvironment(
         _tools(tool_timeout_s, tool),
         prompt=lambda p: p.prompt,
-        score=partial_answer_reward if partial_credit else answer_reward,
+        score=answer_reward,
         call_score=call_credit if partial_credit and tool else None,
         tool_format=tool_format,
         examples=worked_examples(examples, tool_format),
+        partial_credit=partial_credit,
     )
+
+
+class CalculatorEnvironment(ToolEnvironment):
+    """A ToolEnvironment that remembers the calculator's last result it showed (part of its state), for
+    the partial credit of an answer."""
+
+    def __init__(self, *args, partial_credit: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if partial_credit:
+            self.score = lambda answer, problem: partial_answer_reward(answer, problem, self._shown)
+        self._shown = ""
+
+    def state(self) -> dict:
+        return {**super().state(), "shown": self._shown}
+
+    def restore(self, state: dict) -> None:
+        super().restore(state)
+        self._shown = str(state["shown"])
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        self._shown = ""
+        return await super().reset(problem)
+
+    async def step(self, action: str) -> Step:
+        step = await super().step(action)
+        if step.calls:
+            self._shown = step.calls[-1].content if step.calls[-1].error is None else ""
+        return step
 
 
 @functools.cache
