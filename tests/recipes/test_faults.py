@@ -134,6 +134,21 @@ def run_processes(run_dir) -> list[int]:
     return [*pids, servers["launcher"], servers["controller"], *servers["storage"]]
 
 
+def left_running(started: dict[int, str | None], within_s: float = 30) -> list[int]:
+    """The processes of `started` (pid: start time) still running after waiting up to `within_s` for them
+    to go (a pid reused by a new process does not count)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(start_time(pid) == at for pid, at in started.items()):
+        time.sleep(0.1)
+    return [pid for pid, at in started.items() if start_time(pid) == at]
+
+
+def kill_left(started: dict[int, str | None]) -> None:
+    for pid in left_running(started, within_s=0):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_stopping_meshy_run_stops_every_process_of_the_run(tmp_path, signum):
     """SIGTERM (a scheduler, `timeout`, `kill`) to meshy run alone: it stops torchrun and its ranks and
@@ -155,10 +170,7 @@ def test_stopping_meshy_run_stops_every_process_of_the_run(tmp_path, signum):
         assert None not in started.values() and len(started) == 7, started  # torchrun, 3 ranks, 3 servers
         os.kill(meshy.pid, signum)
         _, stderr = meshy.communicate(timeout=60)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(start_time(p) == s for p, s in started.items()):
-            time.sleep(0.1)
-        alive = [pid for pid, at in started.items() if start_time(pid) == at]
+        alive = left_running(started)
         assert not alive, f"processes left running after meshy run was sent {signum.name}: {alive}"
         if signum == signal.SIGTERM:
             assert meshy.returncode not in (0, -signal.SIGTERM), stderr[-2000:]
@@ -166,10 +178,7 @@ def test_stopping_meshy_run_stops_every_process_of_the_run(tmp_path, signum):
             assert f"meshy run --resume {run_dir}" in stderr
     finally:
         kill_tree(meshy)
-        for pid, at in started.items():  # a failed run leaves orphans no longer under meshy: kill them by pid
-            if start_time(pid) == at:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        kill_left(started)  # a failed run leaves orphans no longer under meshy: kill them by pid
         meshy.wait()
 
 
@@ -184,15 +193,9 @@ def test_killing_torchrun_takes_every_process_of_the_run_with_it(tmp_path):
         started = {pid: start_time(pid) for pid in run_processes(run_dir)}
         assert None not in started.values(), started
         os.kill(agent, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(start_time(p) == s for p, s in started.items()):
-            time.sleep(0.1)
-        alive = [pid for pid, at in started.items() if start_time(pid) == at]
+        alive = left_running(started)
         assert not alive, f"processes left running after torchrun was killed: {alive}"
     finally:
         kill_tree(meshy)
-        for pid, at in started.items():  # a failed run leaves orphans no longer under meshy: kill them by pid
-            if start_time(pid) == at:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        kill_left(started)  # a failed run leaves orphans no longer under meshy: kill them by pid
         meshy.wait()

@@ -26,12 +26,17 @@ def secret_from_env() -> bytes:
     value = os.environ.get(SECRET_ENV)
     if not value:
         raise SchemaError(f"{SECRET_ENV} is not set; every process of a run needs the run's secret")
+    return parse_secret(value, SECRET_ENV)
+
+
+def parse_secret(text: str, source: str, hint: str = "") -> bytes:
+    """A run secret written as hex, from `source` (named in the error, followed by `hint`)."""
     try:
-        secret = bytes.fromhex(value)
+        secret = bytes.fromhex(text)
     except ValueError:
-        raise SchemaError(f"{SECRET_ENV}: expected hex, got {len(value)} characters that are not") from None
+        raise SchemaError(f"{source}: expected hex, got {len(text)} characters that are not{hint}") from None
     if len(secret) < MIN_SECRET_BYTES:
-        raise SchemaError(f"{SECRET_ENV}: expected at least {MIN_SECRET_BYTES} bytes")
+        raise SchemaError(f"{source}: expected at least {MIN_SECRET_BYTES} bytes{hint}")
     return secret
 
 

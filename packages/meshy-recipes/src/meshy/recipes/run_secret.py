@@ -10,8 +10,8 @@ import stat
 from pathlib import Path
 
 from meshy.dataplane import SchemaError
-from meshy.dataplane.security import MIN_SECRET_BYTES, SECRET_ENV
-from meshy.dataplane.server import new_secret, secret_from_env
+from meshy.dataplane.security import SECRET_ENV
+from meshy.dataplane.server import new_secret, parse_secret, secret_from_env
 
 MAKE_ONE = (
     "make one with `openssl rand -hex 32 > run.secret && chmod 600 run.secret`, copy it to every node, and pass "
@@ -41,10 +41,4 @@ def _from_file(path: Path) -> bytes:
         raise SchemaError(f"--secret-file {path}: {e.strerror}; {MAKE_ONE}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SchemaError(f"--secret-file {path}: readable by others (mode {stat.filemode(mode)}); chmod 600 {path}")
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        raise SchemaError(f"--secret-file {path}: expected hex; {MAKE_ONE}") from None
-    if len(secret) < MIN_SECRET_BYTES:
-        raise SchemaError(f"--secret-file {path}: expected at least {MIN_SECRET_BYTES} bytes; {MAKE_ONE}")
-    return secret
+    return parse_secret(text, f"--secret-file {path}", f"; {MAKE_ONE}")
