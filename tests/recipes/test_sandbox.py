@@ -244,9 +244,11 @@ for path in ({str(tmp_path / "x")!r}, {str(Path(BOOTSTRAP).with_name("x"))!r}, "
         print(path, type(e).__name__)
 """
     result = run(code)
+    # A checkout under /tmp (a clone made there) is hidden with the host's /tmp; anywhere else it is read-only.
+    hidden = Path(BOOTSTRAP).is_relative_to("/tmp")
     assert result.stdout.splitlines() == [
         f"{tmp_path / 'x'} FileNotFoundError",  # the host's /tmp is not there
-        f"{Path(BOOTSTRAP).with_name('x')} OSError",  # EROFS
+        f"{Path(BOOTSTRAP).with_name('x')} {'FileNotFoundError' if hidden else 'OSError'}",  # EROFS when visible
         "/etc/x OSError",
         f"{scratch} written",
         "/dev/shm/x written",
