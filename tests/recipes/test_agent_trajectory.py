@@ -276,49 +276,62 @@ def test_the_calculator_tokenizer_can_split_numbers_into_pieces_of_several_digit
 
 def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_an_exact_answer_pays_1():
     problem = calculator.Problem("47*83=", "3901")
+    close, end = calculator.CALL_CLOSE, "<|im_end|>"
 
     def call(expression: str) -> str:
-        return calculator.CALL_OPEN + expression + calculator.CALL_CLOSE + "<|im_end|>"
+        return calculator.CALL_OPEN + expression + close + end
 
-    def first_call(text: str) -> float:
+    def started(*turns: str) -> calculator.CalculatorEnvironment:
         env = calculator.environment(partial_credit=True)
         asyncio.run(env.reset(problem))
-        return asyncio.run(env.step(text)).reward
+        for turn in turns:
+            asyncio.run(env.step(turn))
+        return env
 
-    assert first_call(call("47*93")) == pytest.approx(0.2 * (0.5 + 0.5 * 3 / 4))  # digits in place
-    assert first_call(call("47*8x")) == pytest.approx(0.2 * (0.25 + 0.5 * 3 / 4))  # refused by the calculator
-    assert first_call(call("47?83")) == pytest.approx(0.2 * (0.25 + 0.5)), "every digit, but no expression"
-    assert first_call(call("11*11")) == pytest.approx(0.2 * 0.5)  # answered, no digit of the problem: the "*"
-    assert first_call(call("47*831")) == pytest.approx(0.2 * (0.5 + 0.5 * 4 / 5))  # one digit too many
-    assert first_call(calculator.CALL_OPEN + "4") == pytest.approx(0.2 * (0.25 + 0.5 / 4))  # cut: not ended
-    assert first_call(call("47*83") + "47") == pytest.approx(0.2 * 0.75), "the turn goes on after the call"
+    def first_call(text: str) -> float:
+        return asyncio.run(started().step(text)).reward
+
+    assert first_call(call("47*83")) == pytest.approx(calculator.CALL_CREDIT)
+    assert first_call(call("47*93")) == pytest.approx(0.2 * (0.1 + 0.7 * 4 / 5 + 0.2))  # a digit wrong
+    assert first_call(call("47?83")) == pytest.approx(0.2 * (0.1 + 0.7 * 4 / 5 + 0.2)), "the operator counts"
+    assert first_call(call("47*831")) == pytest.approx(0.2 * (0.1 + 0.7 * 5 / 6 + 0.2)), "a character too many"
+    assert first_call(call("11*11")) == pytest.approx(0.2 * (0.1 + 0.7 * 1 / 5 + 0.2)), "only the '*' in place"
+    assert first_call(calculator.CALL_OPEN + "47") == pytest.approx(0.2 * (0.1 + 0.7 * 2 / 5)), "cut: not closed"
+    assert first_call(calculator.CALL_OPEN + "47*83" + close + "3" + end) == pytest.approx(0.2 * 0.9), "not ended"
     assert first_call("ok " + call("47*83")) == 0.0, "the turn must open with the call"
-    env = calculator.environment(partial_credit=True)
-    asyncio.run(env.reset(problem))
-    assert asyncio.run(env.step("3901<|im_end|>")) == Step([], 1.0, True)
-    assert asyncio.run(env.step(call("47*83"))).reward == pytest.approx(calculator.CALL_CREDIT)
-    assert asyncio.run(env.step("3911<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4)
-    assert asyncio.run(env.step("390<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4)
+    assert asyncio.run(started().step("3901" + end)) == Step([], 1.0, True)
+    assert asyncio.run(started().step("3911" + end)).reward == 0.0, "no credit for a near answer without a call"
+    refused = started(call("47*8x"))  # the calculator refused it: still no credit for near answers
+    assert asyncio.run(refused.step("3911" + end)).reward == 0.0
+    answered = started(call("47*93"))  # a call of the wrong product, answered
+    assert asyncio.run(answered.step("3911" + end)).reward == pytest.approx(0.2 * (0.8 * 3 / 4 + 0.2))
+    assert asyncio.run(answered.step("390" + end)).reward == pytest.approx(0.2 * (0.8 * 3 / 4 + 0.2))
+    assert asyncio.run(answered.step("39011")).reward == pytest.approx(0.2 * 0.8 * 4 / 5), "cut: not ended"
+    env = started(call("47*93"))
     assert asyncio.run(env.step(call("47*83"))).reward == 0.0, "a call is paid once per trajectory"
     again = calculator.environment(partial_credit=True)  # the next step, in another process
     asyncio.run(again.reset(problem))
     restore_state(again, saved_state(env))
-    assert asyncio.run(again.step(call("47*83"))).reward == 0.0
-    assert saved_state(again) == {"called": True, "shown": "3901"}
-    wrong = calculator.environment(partial_credit=True)  # a call of the wrong product, then its result
-    asyncio.run(wrong.reset(problem))
-    assert asyncio.run(wrong.step(call("47*93"))).results == ["4371"]
-    later = calculator.environment(partial_credit=True)
-    asyncio.run(later.reset(problem))
-    restore_state(later, saved_state(wrong))
-    assert asyncio.run(later.step("4371<|im_end|>")).reward == pytest.approx(0.2), "the result carried over in full"
-    assert asyncio.run(later.step("4301<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4), "the better of the two"
+    assert saved_state(again) == {"called": True, "paid": pytest.approx(first_call(call("47*93"))), "answered": True}
+    exact = asyncio.run(again.step("3901" + end))
+    assert exact.done and saved_state(again)["paid"] == pytest.approx(1.0), "an exact answer brings the total to 1"
+    assert exact.reward == pytest.approx(1.0 - first_call(call("47*93")))
     bare = calculator.environment(tool=False, partial_credit=True)  # the baseline: no tool, no credit for calls
     asyncio.run(bare.reset(problem))
     step = asyncio.run(bare.step(call("47*83")))
     assert bare.tool_schemas() == [] and step.calls[0].error == "unknown-tool" and step.reward == 0.0
-    assert asyncio.run(bare.step("3911<|im_end|>")).reward == pytest.approx(0.2 * 3 / 4)
+    assert asyncio.run(bare.step("3911" + end)).reward == pytest.approx(0.2 * (0.8 * 3 / 4 + 0.2))
     assert asyncio.run(calculator.environment().step(call("47*83"))).reward == 0.0  # no shaping by default
+
+
+def test_the_calculator_s_products_always_have_twice_the_digits_of_their_operands():
+    for digits in (1, 2, 3):
+        products = list(itertools.islice(calculator.problems(0, digits), 2000))
+        operands = {int(n) for p in products for n in p.prompt.removesuffix("=").split("*")}
+        assert {len(p.answer) for p in products} == {2 * digits}
+        assert min(operands) ** 2 >= 10 ** (2 * digits - 1) > (min(operands) - 1) ** 2, "no operand left out"
+    sums = list(itertools.islice(calculator.problems(0, 2, ops="+"), 2000))
+    assert min(int(n) for p in sums for n in p.prompt.removesuffix("=").split("+")) == 10
 
 
 def test_the_python_math_task_runs_the_policy_s_code_in_the_sandbox_and_scores_its_boxed_answer():

@@ -12,23 +12,29 @@ is untrusted, and anything else is an error observation.
 For a model built from scratch, `tokenizer()` makes each string the
 conversation repeats one id (the system turn listing the tool, the turn markers, the tool call's JSON
 around its expression, the tool response's wrapping): the text is Qwen3's template exactly, and a turn
-that calls the tool is 8 ids for two-digit operands. `partial_credit` shapes the reward for learning
-from chance (as tool-learning RL commonly does: credit for the call's format and arguments): a turn
-that opens with a call of the calculator earns up to CALL_CREDIT (a quarter for the call, half by how
-many of the problem's digits it copied in place, a quarter for a turn that is the call alone, closed,
-ended and answered), once per trajectory, and a final answer that is not exact up to PARTIAL_ANSWER by
-its digits in place, in the right answer or in the calculator's last result (a policy learns to carry
-the result into its answer while it still learns to write the call). An exact answer earns 1 and
-nothing else does; `tool=False` poses the same problems without the tool (the baseline: the same reward for
-answers, and no calculator to call or be paid for calling).
+that calls the tool is 8 ids for two-digit operands. Products are of operands whose product always has
+twice their digits (32..99 for two), so an answer's length never gives it away.
+
+`partial_credit` shapes the reward for learning from chance (as tool-learning RL commonly does: credit
+for the call's format and arguments). The first turn that opens with a call of the calculator earns up to
+CALL_CREDIT: a tenth for the call's opening as the tool's format writes it, seven tenths by the share of
+the problem's expression its argument has in place, a tenth for closing the call and a tenth for ending
+the turn there. A final answer that is not exact earns up to ANSWER_CREDIT (by its characters in place
+in the right answer, and for ending the turn after them), but only once the calculator has answered a
+call: a policy paid for near answers without calling learns to guess, not to call. An exact answer
+makes the trajectory's reward 1 whatever it was paid before, and nothing else reaches 1. `tool=False`
+poses the same problems without the tool (the baseline: the same reward for answers, always paid, and
+no calculator to call or be paid for calling).
 
 A pretrained model that was not tuned to call tools (SmolLM2-135M-Instruct: its tuning data has no
 function calling) calls them once shown how: `examples` worked problems come before the problem, each a
 user turn, the call written in `tool_format` (the chat template's), the tool's result and the answer.
 """
 
+import dataclasses
 import functools
 import itertools
+import math
 import operator
 import random
 import re
@@ -46,7 +52,7 @@ _OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _EXPRESSION = re.compile(r"\s*(-?\d{1,12})\s*([-+*])\s*(-?\d{1,12})\s*")
 END_OF_TURN = "<|im_end|>"
 CALL_CREDIT = 0.2  # partial credit: the most a turn calling the calculator earns
-PARTIAL_ANSWER = 0.2  # partial credit: the most a final answer that is not exact earns
+ANSWER_CREDIT = 0.2  # partial credit: the most a final answer that is not exact earns
 CALL_OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'  # Qwen3's call, up to the argument
 CALL_CLOSE = '"}}\n</tool_call>'
 _MARK = "\x00"  # where the problem goes, to split a rendered template into its fixed pieces
@@ -60,8 +66,11 @@ def problems(seed: int, digits: int = 3, ops: str = "*") -> Iterator[Problem]:
         raise SchemaError(f"calculator task: digits in 1..6 and ops from '+-*', got {digits}, {ops!r}")
     rng = random.Random(seed)
     low, high = 10 ** (digits - 1), 10**digits - 1
+    low_factor = math.isqrt(10 ** (2 * digits - 1) - 1) + 1  # the least whose square has 2 * digits digits
     while True:
-        a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
+        op = rng.choice(ops)
+        least = low_factor if op == "*" else low
+        a, b = rng.randint(least, high), rng.randint(least, high)
         yield Problem(f"{a}{op}{b}=", str(_OPERATORS[op](a, b)))
 
 
@@ -82,37 +91,33 @@ def answer_reward(final_turn: str, problem: Problem) -> float:
     return float(final_turn.split(END_OF_TURN)[0].strip() == problem.answer)
 
 
-def in_place(text: str, target: str) -> float:
-    """The share of `target`'s digits that `text` has in place, over the longer of the two (a policy is
-    not paid for what every problem has in the same place, such as the operator)."""
-    digits = [i for i, c in enumerate(target) if c.isdigit()]
-    hits = sum(i < len(text) and text[i] == target[i] for i in digits)
-    return hits / max(len(digits) + len(text) - len(target), len(digits), 1)
+def in_place(text: str, target: str) -> int:
+    """How many of `target`'s characters `text` has in the same place."""
+    return sum(a == b for a, b in zip(text, target, strict=False))
 
 
-def partial_answer_reward(final_turn: str, problem: Problem, shown: str = "") -> float:
-    """1.0 for exactly the answer; else up to PARTIAL_ANSWER, by the answer's digits in place in the right
-    answer or in `shown`, the calculator's last result (so a policy learns to carry the result into its
-    answer while it still learns to write the call right)."""
-    answer = final_turn.split(END_OF_TURN)[0].strip()
-    if answer == problem.answer:
+def partial_answer_reward(final_turn: str, problem: Problem) -> float:
+    """1.0 for exactly the answer; else up to ANSWER_CREDIT, by the answer's characters in place and for
+    ending the turn right after them."""
+    if answer_reward(final_turn, problem):
         return 1.0
-    return PARTIAL_ANSWER * max(in_place(answer, problem.answer), in_place(answer, shown) if shown else 0.0)
+    answer, ended, _ = final_turn.partition(END_OF_TURN)
+    answer, target = answer.strip(), problem.answer
+    return ANSWER_CREDIT * (0.8 * in_place(answer, target) / max(len(answer), len(target)) + 0.2 * bool(ended))
 
 
 def call_credit(action: str, results: list[ToolResult], problem: Problem) -> float:
-    """Up to CALL_CREDIT for a turn that opens with a call of the calculator: a quarter for the call as
-    the tool's format writes it, half by the share of the problem's digits the argument has in place
-    (nothing for a call the calculator merely answered: a policy paid for any valid expression settles
-    on one it can write without reading the problem), and a quarter for a turn that is the call alone,
-    closed, ended and answered (a policy paid for a call it never closed wrote on until the turn was cut;
-    one paid for the digits alone wrote any character between them)."""
+    """Up to CALL_CREDIT for a turn that opens with a call of the calculator (see the module's doc): by the
+    share of the expression's characters its argument has in place, over the longer of the two (so the
+    operator counts, and extra characters cost), and for a call closed and a turn ended right after it."""
     if not action.startswith(CALL_OPEN):
         return 0.0
-    argument = action.removeprefix(CALL_OPEN).split('"', 1)[0]
-    answered = len(results) == 1 and results[0].error is None
-    complete = answered and action == CALL_OPEN + argument + CALL_CLOSE + END_OF_TURN
-    return CALL_CREDIT * (0.25 + 0.5 * in_place(argument, problem.prompt.removesuffix("=")) + 0.25 * complete)
+    expression = problem.prompt.removesuffix("=")
+    argument, quote, rest = action.removeprefix(CALL_OPEN).partition('"')
+    closed = bool(quote) and (quote + rest).startswith(CALL_CLOSE)
+    ended = closed and (quote + rest).removeprefix(CALL_CLOSE).startswith(END_OF_TURN)
+    copied = in_place(argument, expression) / max(len(argument), len(expression))
+    return CALL_CREDIT * (0.1 + 0.7 * copied + 0.1 * closed + 0.1 * ended)
 
 
 @functools.cache
@@ -148,30 +153,38 @@ def environment(
 
 
 class CalculatorEnvironment(ToolEnvironment):
-    """A ToolEnvironment that remembers the calculator's last result it showed (part of its state), for
-    the partial credit of an answer."""
+    """A ToolEnvironment that pays partial credit as the module's doc says: it remembers (in its state)
+    whether the calculator has answered a call, and what the trajectory has been paid so far, so that an
+    exact answer brings the total to 1."""
 
     def __init__(self, *args, partial_credit: bool, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if partial_credit:
-            self.score = lambda answer, problem: partial_answer_reward(answer, problem, self._shown)
-        self._shown = ""
+            self.score = self._partial_answer_reward
+        self._paid, self._answered = 0.0, False
+
+    def _partial_answer_reward(self, final_turn: str, problem: Problem) -> float:
+        if self._answered or not self.tools.schemas():
+            return partial_answer_reward(final_turn, problem)
+        return answer_reward(final_turn, problem)
 
     def state(self) -> dict:
-        return {**super().state(), "shown": self._shown}
+        return {**super().state(), "paid": self._paid, "answered": self._answered}
 
     def restore(self, state: dict) -> None:
         super().restore(state)
-        self._shown = str(state["shown"])
+        self._paid, self._answered = float(state["paid"]), bool(state["answered"])
 
     async def reset(self, problem: Problem) -> list[Message]:
-        self._shown = ""
+        self._paid, self._answered = 0.0, False
         return await super().reset(problem)
 
     async def step(self, action: str) -> Step:
         step = await super().step(action)
-        if step.calls:
-            self._shown = step.calls[-1].content if step.calls[-1].error is None else ""
+        self._answered = self._answered or any(c.error is None for c in step.calls)
+        if step.done and step.reward == 1.0:  # exact: the total is 1
+            step = dataclasses.replace(step, reward=1.0 - self._paid)
+        self._paid += step.reward
         return step
 
 
