@@ -24,6 +24,7 @@ EXPECTED_GPUS = {
     "distill-qwen3-8b-to-1.7b-8gpu": 8,
     "smollm2-135m-grpo-cpu": 0,
     "smollm2-135m-tools-cpu": 0,
+    "calculator-tiny-cpu": 0,
     "default": 0,
 }
 EXPECTED_NODES = {"qwen3-1.7b-grpo-dapo-2x8gpu": 2, "qwen3-30b-a3b-grpo-dapo-2x8gpu": 2}  # the rest: one

@@ -1,0 +1,127 @@
+"""The calculator task learned from scratch, with the tool and without it, in one run on this machine.
+
+    uv run python bench/calculator_curve.py [--minutes 15] [--recipe calculator-tiny-cpu]
+
+Each mode is a real `meshy run` of the recipe, one after the other (never side by side: they would
+share the cores): `with the tool` as shipped, and `without the tool`, the same recipe, model, seed and
+budget with `environment_options.tool = false` (the same problems and the same reward for answers, no
+calculator to call). A run ends at the recipe's `steps` or when `--minutes` have passed since its
+`meshy run` started (start-up included), whichever comes first; a run stopped by the budget is stopped
+as a user would stop it (SIGINT). The table gives, for each minute of the run, the mean reward of
+the versions trained in it (the recipe's reward, partial credit included) and the share of its
+trajectories that ended with exactly the right answer (reward 1.0), read from the run's own
+metrics.jsonl and records/environment-*.jsonl.
+"""
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshy.recipes.catalog import resolve
+
+MODES = {"with the tool": "true", "without the tool": "false"}
+TARGET = 0.9  # the mean reward the recipe promises (issue 14: from chance to >= 0.9 in 15 minutes)
+EXACT = 1.0 - 1e-6  # a trajectory's reward above this is an exact answer's (partial credit stays far below)
+WINDOW = 20  # versions averaged for "reached": one lucky version is not a learned task
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A run's learning curve against wall time since its `meshy run` started."""
+
+    versions: list[tuple[float, float]]  # (seconds, mean reward) per version
+    trajectories: list[tuple[float, float]]  # (seconds, reward) per trajectory
+
+    def reward(self, start: float, end: float) -> float | None:
+        rewards = [r for t, r in self.versions if start < t <= end]
+        return sum(rewards) / len(rewards) if rewards else None
+
+    def exact(self, start: float, end: float) -> float | None:
+        ends = [r > EXACT for t, r in self.trajectories if start < t <= end]
+        return sum(ends) / len(ends) if ends else None
+
+    def reached(self) -> float | None:
+        """Seconds to the first version at which the last WINDOW versions' mean reward is >= TARGET."""
+        for i in range(WINDOW, len(self.versions) + 1):
+            if sum(r for _, r in self.versions[i - WINDOW : i]) / WINDOW >= TARGET:
+                return self.versions[i - 1][0]
+        return None
+
+
+def recipe(directory: Path, source: Path, tool: str) -> Path:
+    text = source.read_text()
+    text, runs = re.subn(r"^run_dir = .*$", f'run_dir = "{directory}"', text, count=1, flags=re.M)
+    text, tools = re.subn(r"^environment_options = \{", f"environment_options = {{ tool = {tool},", text, flags=re.M)
+    if runs != 1 or tools != 1:
+        sys.exit(f"{source}: expected one run_dir and one [task] environment_options line to edit")
+    path = directory / "recipe.toml"
+    path.write_text(text)
+    return path
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def measure(source: Path, tool: str, minutes: float) -> tuple[Curve, str]:
+    """Run the recipe for at most `minutes`; its curve, and how it ended."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        command = [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe(directory, source, tool))]
+        start = time.time()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = process.communicate(timeout=minutes * 60)
+            ending = "finished its steps"
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=120)
+            ending = f"stopped at {minutes:g} min"
+        runs = [p for p in directory.iterdir() if p.is_dir()]
+        if (ending == "finished its steps" and process.returncode != 0) or len(runs) != 1:
+            sys.exit(f"tool = {tool}: meshy run failed ({process.returncode}):\n{stderr[-3000:]}")
+        metrics = lines(runs[0] / "metrics.jsonl")
+        trajectories = [
+            (r["time"] - start, r["reward"])
+            for path in sorted((runs[0] / "records").glob("environment-*.jsonl"))
+            for r in lines(path)
+            if r["kind"] == "trajectory"
+        ]
+        curve = Curve([(m["time"] - start, m["reward_mean"]) for m in metrics], sorted(trajectories))
+        return curve, f"{ending}, {len(metrics)} versions"
+
+
+def cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="calculator-tiny-cpu", help="a shipped recipe's name or a file")
+    parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget per run")
+    args = parser.parse_args()
+    source = resolve(args.recipe)
+    results = {mode: measure(source, tool, args.minutes) for mode, tool in MODES.items()}
+    print(f"\n{source.stem}, from scratch, at most {args.minutes:g} minutes of `meshy run` per mode\n")
+    for mode, (curve, ending) in results.items():
+        reached = curve.reached()
+        when = f"at {reached / 60:.1f} min" if reached else "never"
+        print(f"{mode}: {ending}; a mean reward of {TARGET} over {WINDOW} versions reached {when}")
+    columns = [f"{label} {mode}" for mode in MODES for label in ("reward", "exact")]
+    print("\n| minute | " + " | ".join(columns) + " |")
+    print("|" + "---|" * (len(columns) + 1))
+    for minute in range(1, int(args.minutes + 0.999) + 1):
+        window = (60.0 * (minute - 1), 60.0 * minute)
+        row = [cell(f(*window)) for curve, _ in results.values() for f in (curve.reward, curve.exact)]
+        print(f"| {minute} | " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""bench/calculator_curve.py: the baseline it writes is the shipped recipe without the tool and nothing
+else changed, and its curve reads a run's versions and trajectories as the table says."""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from meshy.recipes.catalog import shipped
+from meshy.recipes.recipe import load_recipe
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "calculator_curve.py"
+
+
+def bench():
+    spec = importlib.util.spec_from_file_location("calculator_curve", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_baseline_is_the_shipped_recipe_without_the_tool(tmp_path):
+    source = shipped()["calculator-tiny-cpu"]
+    shipped_recipe = load_recipe(source)
+    for tool in ("true", "false"):
+        directory = tmp_path / tool
+        directory.mkdir()
+        recipe = load_recipe(bench().recipe(directory, source, tool))
+        assert recipe.task.environment_options == {**shipped_recipe.task.environment_options, "tool": tool == "true"}
+        assert recipe.run_dir == str(directory)
+        same = dataclasses.replace(recipe, run_dir=shipped_recipe.run_dir, task=shipped_recipe.task)
+        assert same == shipped_recipe, "nothing else changed"
+
+
+def test_the_curve_averages_by_minute_and_reaches_the_target_over_a_window_of_versions():
+    module = bench()
+    versions = [(10.0 * i, 0.5) for i in range(1, 30)] + [(300.0 + i, 0.95) for i in range(1, module.WINDOW + 1)]
+    trajectories = [(30.0, 1.0), (50.0, 0.2), (70.0, 1.0 - 1e-12), (80.0, 0.4)]
+    curve = module.Curve(versions, trajectories)
+    assert curve.reward(0, 60) == 0.5 and curve.reward(300, 360) == pytest.approx(0.95)
+    assert curve.reward(400, 460) is None
+    assert curve.exact(0, 60) == 0.5 and curve.exact(60, 120) == 0.5 and curve.exact(120, 180) is None
+    assert curve.reached() == 318.0, "the first version whose window's mean reaches 0.9: (2 * 0.5 + 18 * 0.95) / 20"
+    assert module.Curve(versions[: -module.WINDOW // 2], trajectories).reached() is None
