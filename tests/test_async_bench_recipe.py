@@ -2,22 +2,16 @@
 machine can run): a recipe the bench would fail to load costs a GPU lease."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from meshy.recipes.recipe import load_recipe
 from meshy.recipes.topology import assign
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "async_speedup.py"
+from tests.benches import load_bench
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("async_speedup", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("async_speedup")
 
 
 @pytest.mark.parametrize("gpu", [False, True])

@@ -2,22 +2,16 @@
 else changed, and its curve reads a run's versions and trajectories as the table says."""
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from meshy.recipes.catalog import shipped
 from meshy.recipes.recipe import load_recipe
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "calculator_curve.py"
+from tests.benches import load_bench
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("calculator_curve", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("calculator_curve")
 
 
 def test_the_baseline_is_the_shipped_recipe_without_the_tool(tmp_path):

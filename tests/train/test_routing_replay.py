@@ -1,9 +1,5 @@
 """Routing replay in the trainer: torchtitan's MoE forward with given experts for given positions."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,11 +10,11 @@ from meshy.train.parallel import ParallelConfig, build_model
 from meshy.train.routing_replay import FREE, replay_routers, replay_routing, routing_shape
 from meshy.train.service import TrainingService, TrainServiceConfig
 from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
+from tests.benches import load_bench
 from tests.train.rows import add_routing, put_groups, response_lengths
 
 MOE = get_model("qwen3-tiny-moe")
 CPU = torch.device("cpu")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def tokens(batch: int = 3, length: int = 12, seed: int = 0) -> torch.Tensor:
@@ -162,20 +158,12 @@ class NoPublish:
         return None
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_routing_replay", REPO / "bench" / "routing_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_replay_narrows_the_importance_ratio_after_a_policy_step():
     """bench/routing_replay.py, small (8 experts, top 2: more tokens near a tie between experts): TorchEngine
     samples and records routing; after one optimizer step the trainer's free routing differs from the
     engine's on some tokens, and replaying the engine's routing strictly narrows the spread of
     exp(trainer logprob - engine logprob)."""
-    bench = load_bench()
+    bench = load_bench("routing_replay")
     args = bench.arguments(["--experts", "8", "--top-k", "2", "--prompts", "16", "--response", "16"])
     same_free, same_replay, drift_free, drift_replay = bench.run(args)
     assert same_replay.std <= same_free.std and same_replay.max_abs <= same_free.max_abs
