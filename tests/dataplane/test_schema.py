@@ -73,6 +73,7 @@ def test_bad_row_ids(row_ids, needle):
         (lambda: Column("x", "float8"), "column 'x': dtype 'float8' is not one of"),
         (lambda: Column("x", "int64", (4, None)), "None allowed only as the first"),
         (lambda: Column("x", "str", (2,)), "a str column has shape ()"),
+        (lambda: Column("x", "int64", (None, 0)), r"a ragged column's other dimensions must be > 0"),
         (lambda: Column("x", "int64", [4]), r"Column.shape: expected tuple\[int \| None, ...\], got list"),
         (lambda: TableSpec("t", (Column("a", "bool"), Column("a", "bool"))), "repeated: \\['a'\\]"),
         (lambda: TableSpec("t", (Column("a", "bool"),), group_size=0), "group_size must be >= 1"),
@@ -109,3 +110,37 @@ def test_encryption_defaults_on_off_loopback():
 
 def test_spec_survives_the_wire():
     assert TableSpec.from_wire(SPEC.to_wire()) == SPEC
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int32", "int64", "bfloat16", "float16", "float32", "float64"])
+def test_every_dtype_round_trips_through_storage_bytes(dtype):
+    torch_dtype = getattr(torch, dtype)
+    dense = Column("d", dtype, (2, 3))
+    values = (torch.randn(4, 2, 3) * 100).to(torch_dtype)
+    stored = dense.to_storage(values)
+    assert [type(v) for v in stored] == [bytes] * 4
+    assert torch.equal(dense.from_storage(stored), values)
+    rows = [values[i].clone() for i in range(4)]  # a dense column given as a list of rows
+    assert torch.equal(dense.from_storage(dense.to_storage(rows)), values)
+
+
+def test_ragged_rows_keep_their_lengths_and_inner_shape():
+    ragged = Column("topk", "float32", (None, 4))
+    rows = [torch.randn(3, 4), torch.zeros(0, 4), torch.randn(1, 4)]
+    back = ragged.from_storage(ragged.to_storage(rows))
+    assert [tuple(r.shape) for r in back] == [(3, 4), (0, 4), (1, 4)]
+    assert all(torch.equal(a, b) for a, b in zip(rows, back, strict=True))
+    empty = Column("ids", "int64", (None,))
+    assert [r.shape for r in empty.from_storage(empty.to_storage([torch.zeros(0, dtype=torch.int64)] * 2))] == [
+        (0,),
+        (0,),
+    ]
+
+
+def test_stored_rows_are_independent_of_the_written_tensor():
+    column = Column("tokens", "int64", (None,))
+    row = torch.arange(5)
+    stored = column.to_storage([row, row[1:3]])
+    row.zero_()  # the producer reuses its buffer after the put
+    assert [r.tolist() for r in column.from_storage(stored)] == [[0, 1, 2, 3, 4], [1, 2]]
+    assert Column("note", "str").from_storage(Column("note", "str").to_storage(["a", "é"])) == ["a", "é"]

@@ -263,7 +263,7 @@ class DataPlaneClient:
         }
         try:
             with self._using_sockets():
-                self._storage().put(keys, dict(columns))
+                self._storage().put(keys, {name: spec.column(name).to_storage(v) for name, v in columns.items()})
             return self._call("commit", args)
         except (SchemaError, RowConflictError):
             self._return_keys(table, keys)  # nothing references them; their storage is rewritten on reuse
@@ -343,7 +343,7 @@ class DataPlaneClient:
             with self._using_sockets():
                 values = self._storage().get(list(column_keys), names)
             for name in names:
-                out[name] = spec.column(name).pack(values[name])
+                out[name] = spec.column(name).from_storage(values[name])
         return {c: out[c] for c in keys}
 
     def ack(self, batch: Batch, row_ids: Sequence[int] | None = None) -> AckResult:

@@ -2,6 +2,7 @@
 
 Sync sockets, one request per unit in flight, all units in parallel: a put or get costs one round trip
 to each unit it touches. Rows go to unit `key % num_units`.
+Each stored value is one row's str or raw bytes (meshy.dataplane.schema.Column.to_storage).
 """
 
 import itertools
@@ -9,7 +10,6 @@ import threading
 import time
 from typing import Any
 
-import torch
 import zmq
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, format_zmq_address
 
@@ -134,9 +134,5 @@ def _size(frame: Any) -> int:
     return memoryview(frame).nbytes
 
 
-def _select(value: Any, positions: list[int], n: int) -> Any:
-    if len(positions) == n:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value[torch.tensor(positions, device=value.device)]
-    return [value[i] for i in positions]
+def _select(values: list, positions: list[int], n: int) -> list:
+    return values if len(positions) == n else [values[i] for i in positions]
