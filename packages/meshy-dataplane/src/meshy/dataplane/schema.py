@@ -1,6 +1,5 @@
 """Tables and columns: what a table holds, and the checks every write passes before anything is sent."""
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -112,7 +111,7 @@ class Column:
         else:
             flat = torch.cat([row.detach().to(HOST).reshape(-1) for row in value])
             sizes = [row.numel() * row.element_size() for row in value]
-        data = flat.contiguous().view(torch.uint8).numpy().tobytes()
+        data = flat.contiguous().view(torch.uint8).numpy().tobytes()  # a strided 1-D view stays strided
         out, start = [], 0
         for size in sizes:
             out.append(data[start : start + size])
@@ -128,10 +127,8 @@ class Column:
         flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype, device=HOST)
         if not self.ragged:
             return flat.view(len(values), *self.shape)
-        inner = self.shape[1:]
-        row_bytes = math.prod(inner) * flat.element_size()
-        lengths = [len(v) // row_bytes for v in values]
-        return [row.view(-1, *inner) for row in flat.split([n * math.prod(inner) for n in lengths])]
+        rows = flat.split([len(v) // flat.element_size() for v in values])
+        return [row.view(-1, *self.shape[1:]) for row in rows]
 
 
 @dataclass(frozen=True)
