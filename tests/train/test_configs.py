@@ -30,6 +30,8 @@ TINY, MOE = get_model("qwen3-tiny"), get_model("qwen3-tiny-moe")
         (lambda: LossConfig(temperature=INF), "LossConfig.temperature: expected a finite value > 0, got inf"),
         (lambda: LossConfig(clip_low=1.0), "LossConfig.clip_low, clip_high: expected 0 <= clip_low < 1"),
         (lambda: LossConfig(clip_high=NAN), "clip_high >= 0, got 0.2, nan"),
+        (lambda: LossConfig(dual_clip=0.5), "LossConfig.dual_clip: expected 0 (off) or a finite value > 1, got 0.5"),
+        (lambda: LossConfig(dual_clip=NAN), "LossConfig.dual_clip: expected 0 (off) or a finite value > 1, got nan"),
         (lambda: LossConfig(tis_low=0.0), "LossConfig.tis_low, tis_high: expected 0 < tis_low <= 1 <= tis_high"),
         (lambda: LossConfig(tis_high=0.9), "got 0.5, 0.9"),
         (lambda: LossConfig(entropy_metric_tokens=-1), "LossConfig.entropy_metric_tokens: expected >= 0, got -1"),

@@ -187,6 +187,26 @@ def test_ppo_clip_loss_gives_zero_gradient_on_clipped_tokens():
     close(logprobs.grad, [[-1.1, 0.0, -0.5], [0.0, 2 * 1.5, 2 * 0.9]])
 
 
+def test_dual_clip_caps_a_negative_advantage_and_stops_its_gradient():
+    # ratios 1e4 and 5 have run away; 2 is below the cap c = 3; the masked 50 must not reach the stats
+    logprobs, old = logprobs_for([[1e4, 5.0, 2.0, 50.0], [1e4, 5.0, 2.0, 50.0]])
+    logprobs.requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
+    advantages = torch.tensor([-2.0, 1.0])
+    loss, stats = ppo_clip_loss(logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    # A = -2: capped at 2 * 3 above the cap, -A * ratio below it; A = +1: the ordinary clip at 1.28
+    close(loss, [[6.0, 6.0, 4.0, 6.0], [-1.28, -1.28, -1.28, -1.28]])
+    loss.sum().backward()
+    close(logprobs.grad, [[0.0, 0.0, 4.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert stats["dual_clip_fraction"] == pytest.approx(2 / 6)
+    assert stats["ratio_max"] == pytest.approx(1e4, rel=1e-4)
+
+    # Off (the default), the same negative-advantage tokens keep their unbounded loss and gradient.
+    unbounded, stats = ppo_clip_loss(logprobs.detach(), old, advantages, mask, clip_low=0.2, clip_high=0.28)
+    assert unbounded[0, 0].item() == pytest.approx(2e4, rel=1e-4)
+    assert "dual_clip_fraction" not in stats
+
+
 def test_importance_weights_truncate_and_icepop_mask():
     train, rollout = logprobs_for([[0.25, 1.0, 3.0], [1.5, 0.4, 1.9]])
     train.requires_grad_(True)
@@ -315,6 +335,8 @@ LOGITS = torch.zeros(2, 3, 8)
         (lambda: ppo_clip_loss(X, X, torch.zeros(2), ONES, -0.1, 0.2), "clip_low: expected 0 <= clip_low < 1"),
         (lambda: ppo_clip_loss(X, X, torch.zeros(2), ONES, 0.2, -0.1), "clip_high: expected clip_high >= 0, got -0.1"),
         (lambda: ppo_clip_loss(X, X, torch.zeros(3), ONES, 0.2, 0.2), "advantages: expected shape (2, 3) or (2,)"),
+        (lambda: ppo_clip_loss(X, X, ONES, ONES, 0.2, 0.2, 1.0), "dual_clip: expected 0 (off) or a finite value > 1"),
+        (lambda: ppo_clip_loss(X, X, ONES, ONES, 0.2, 0.2, math.inf), "dual_clip: expected 0 (off) or a finite value"),
         (lambda: ppo_clip_loss(X, torch.zeros(2, 4), X, ONES, 0.2, 0.2), "logprobs, old_logprobs, mask: expected"),
         (lambda: importance_weights(X, X, ONES, 0.5, 2.0, "clip"), "mode: expected one of ('truncate', 'mask')"),
         (lambda: importance_weights(X, X, ONES, 0.0, 2.0, "mask"), "low, high: expected 0 < low <= 1 <= high"),

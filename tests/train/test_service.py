@@ -190,6 +190,21 @@ def test_a_non_finite_loss_is_skipped_and_counted():
         trainer.step(PolicyBatch(tokens, torch.ones(2, 6), torch.zeros(2)))
 
 
+def test_the_trainer_passes_dual_clip_to_the_loss():
+    # Every token's ratio to the old logprobs is e^10 and its advantage negative: with the dual clip on,
+    # each token's loss is the constant cap, so there is no gradient at all; off, the gradient is huge.
+    tokens = torch.randint(0, ARCH.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    grad_norms = {}
+    for dual_clip in (0.0, 3.0):
+        model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+        trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none", dual_clip=dual_clip))
+        old = trainer.logprobs(PolicyBatch(tokens, torch.ones(2, 5), torch.zeros(2))) - 10.0
+        metrics = trainer.step(PolicyBatch(tokens, torch.ones(2, 5), torch.tensor([-1.0, -1.0]), old_logprobs=old))
+        grad_norms[dual_clip] = metrics["grad_norm"]
+        assert metrics.get("dual_clip_fraction") == (1.0 if dual_clip else None)
+    assert grad_norms[3.0] == 0.0 and grad_norms[0.0] > 100
+
+
 def test_ranks_of_a_torchrun_trainer_lease_directly_and_versions_increase(client, unique, dataplane, secret, tmp_path):
     table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     rows = put_groups(client, table, range(6), 2, ARCH.vocab_size)

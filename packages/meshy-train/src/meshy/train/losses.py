@@ -5,6 +5,8 @@ the mask is empty); `aggregate` masks and reduces them. Nothing here talks to ot
 denominators already summed over all data-parallel ranks.
 """
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -36,12 +38,22 @@ def aggregate(token_loss: Tensor, mask: Tensor, mode: str, denominator: float) -
 
 
 def ppo_clip_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Asymmetric PPO clipped surrogate: max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high)).
 
     advantages are [B, T] or [B] (one per sequence). The gradient with respect to logprobs is zero on tokens
     where the clipped branch wins.
+
+    dual_clip c > 1 (dual-clip PPO; 0: off) also caps a negative advantage's loss at -A * c. The surrogate
+    alone leaves it unbounded: a token whose ratio has run away (say to 1e4, after a step that made it far
+    likelier) and whose advantage is negative would otherwise dominate the step's gradient.
     """
     check_same_2d_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
     if advantages.shape == (logprobs.shape[0],):
@@ -55,10 +67,14 @@ def ppo_clip_loss(
         raise ValueError(f"clip_low: expected 0 <= clip_low < 1, got {clip_low}")
     if not clip_high >= 0:
         raise ValueError(f"clip_high: expected clip_high >= 0, got {clip_high}")
+    if not (dual_clip == 0 or 1 < dual_clip < math.inf):
+        raise ValueError(f"dual_clip: expected 0 (off) or a finite value > 1, got {dual_clip}")
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     token_loss = torch.maximum(unclipped, clipped)
+    dual_clipped = (advantages < 0) & (ratio > (dual_clip or math.inf))
+    token_loss = torch.where(dual_clipped, -advantages * dual_clip, token_loss)
 
     keep = mask.bool()
     with torch.no_grad():
@@ -70,6 +86,8 @@ def ppo_clip_loss(
             "ratio_max": _max(ratio[keep]),
             "ratio_min": _min(ratio[keep]),
         }
+        if dual_clip:
+            stats["dual_clip_fraction"] = _fraction(dual_clipped, keep)
     return token_loss, stats
 
 

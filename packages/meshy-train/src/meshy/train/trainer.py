@@ -56,6 +56,8 @@ class LossConfig:
     """Which loss parts a policy step uses.
 
     pg_coef: token-level policy gradient with asymmetric PPO clip [1 - clip_low, 1 + clip_high].
+    dual_clip: 0 (off) or c > 1: a negative advantage's token loss is capped at -A * c (dual-clip PPO), so a
+        token whose ratio ran away cannot dominate a step.
     tis: truncated importance sampling against the rollout engine's logprobs ("truncate" clamps the
         per-token ratio to [tis_low, tis_high]; "mask" is IcePop: tokens outside get weight 0).
     kl_coef: k3 KL to a reference policy (needs ref_logprobs). entropy_coef: entropy bonus.
@@ -67,6 +69,7 @@ class LossConfig:
     pg_coef: float = 1.0
     clip_low: float = 0.2
     clip_high: float = 0.28
+    dual_clip: float = 0.0
     aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
     tis: Literal["none", "truncate", "mask"] = "truncate"
     tis_low: float = 0.5
@@ -94,6 +97,8 @@ class LossConfig:
                 f"LossConfig.clip_low, clip_high: expected 0 <= clip_low < 1 and clip_high >= 0, "
                 f"got {self.clip_low}, {self.clip_high}"
             )
+        if not (self.dual_clip == 0 or 1 < self.dual_clip < math.inf):
+            raise SchemaError(f"LossConfig.dual_clip: expected 0 (off) or a finite value > 1, got {self.dual_clip}")
         if not 0 < self.tis_low <= 1 <= self.tis_high:
             raise SchemaError(
                 "LossConfig.tis_low, tis_high: expected 0 < tis_low <= 1 <= tis_high, "
@@ -200,7 +205,13 @@ class PolicyTrainer:
         token_loss = torch.zeros_like(logprobs)
         if cfg.pg_coef:
             pg, stats = ppo_clip_loss(
-                logprobs, old, batch.advantages.to(logprobs.dtype), batch.mask, cfg.clip_low, cfg.clip_high
+                logprobs,
+                old,
+                batch.advantages.to(logprobs.dtype),
+                batch.mask,
+                cfg.clip_low,
+                cfg.clip_high,
+                cfg.dual_clip,
             )
             metrics.update(stats)
             if cfg.tis != "none":
