@@ -1,11 +1,12 @@
 """The calculator task learned from scratch, with the tool and without it, in one run on this machine.
 
-    uv run python bench/calculator_curve.py [--minutes 15] [--recipe calculator-tiny-cpu]
+    uv run python bench/calculator_curve.py [--minutes 15] [--recipe calculator-tiny-cpu] [--seeds 0 1 2]
 
-Each mode is a real `meshy run` of the recipe, one after the other (never side by side: they would
-share the cores): `with the tool` as shipped, and `without the tool`, the same recipe, model, seed and
-budget with `environment_options.tool = false` (the same problems and the same reward for answers, no
-calculator to call). A run ends at the recipe's `steps` or when `--minutes` have passed since its
+Each run is a real `meshy run` of the recipe, one after the other (never side by side: they would
+share the cores): `with the tool` as shipped, once per seed in --seeds (the recipe's `seed`: the model's
+initial weights, the problems and the sampling), and `without the tool`, once, the same recipe, model,
+first seed and budget with `environment_options.tool = false` (the same problems and the same reward for
+answers, no calculator to call). A run ends at the recipe's `steps` or when `--minutes` have passed since its
 `meshy run` started (start-up included), whichever comes first; a run stopped by the budget is stopped
 as a user would stop it (SIGINT). The table gives, for each minute of the run, the mean reward of
 the versions trained in it (the recipe's reward, partial credit included) and the share of its
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from meshy.recipes.catalog import resolve
 
-MODES = {"with the tool": "true", "without the tool": "false"}
+TOOL, NO_TOOL = "true", "false"  # environment_options.tool
 TARGET = 0.9  # the mean reward the recipe promises (issue 14: from chance to >= 0.9 in 15 minutes)
 EXACT = 1.0 - 1e-6  # a trajectory's reward above this is an exact answer's (partial credit stays far below)
 WINDOW = 20  # versions averaged for "reached": one lucky version is not a learned task
@@ -55,12 +56,13 @@ class Curve:
         return None
 
 
-def recipe(directory: Path, source: Path, tool: str) -> Path:
+def recipe(directory: Path, source: Path, tool: str, seed: int) -> Path:
     text = source.read_text()
     text, runs = re.subn(r"^run_dir = .*$", f'run_dir = "{directory}"', text, count=1, flags=re.M)
+    text, seeds = re.subn(r"^seed = .*$", f"seed = {seed}", text, count=1, flags=re.M)
     text, tools = re.subn(r"^environment_options = \{", f"environment_options = {{ tool = {tool},", text, flags=re.M)
-    if runs != 1 or tools != 1:
-        sys.exit(f"{source}: expected one run_dir and one [task] environment_options line to edit")
+    if runs != 1 or seeds != 1 or tools != 1:
+        sys.exit(f"{source}: expected one run_dir, one seed and one [task] environment_options line to edit")
     path = directory / "recipe.toml"
     path.write_text(text)
     return path
@@ -70,11 +72,11 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def measure(source: Path, tool: str, minutes: float) -> tuple[Curve, str]:
+def measure(source: Path, tool: str, seed: int, minutes: float) -> tuple[Curve, str]:
     """Run the recipe for at most `minutes`; its curve, and how it ended."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        command = [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe(directory, source, tool))]
+        command = [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe(directory, source, tool, seed))]
         start = time.time()
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
@@ -86,7 +88,7 @@ def measure(source: Path, tool: str, minutes: float) -> tuple[Curve, str]:
             ending = f"stopped at {minutes:g} min"
         runs = [p for p in directory.iterdir() if p.is_dir()]
         if (ending == "finished its steps" and process.returncode != 0) or len(runs) != 1:
-            sys.exit(f"tool = {tool}: meshy run failed ({process.returncode}):\n{stderr[-3000:]}")
+            sys.exit(f"tool = {tool}, seed = {seed}: meshy run failed ({process.returncode}):\n{stderr[-3000:]}")
         metrics = lines(runs[0] / "metrics.jsonl")
         trajectories = [
             (r["time"] - start, r["reward"])
@@ -106,15 +108,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="calculator-tiny-cpu", help="a shipped recipe's name or a file")
     parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget per run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="the runs with the tool, one per seed")
     args = parser.parse_args()
     source = resolve(args.recipe)
-    results = {mode: measure(source, tool, args.minutes) for mode, tool in MODES.items()}
-    print(f"\n{source.stem}, from scratch, at most {args.minutes:g} minutes of `meshy run` per mode\n")
-    for mode, (curve, ending) in results.items():
+    runs = {f"with the tool, seed {seed}": (TOOL, seed) for seed in args.seeds}
+    runs[f"without the tool, seed {args.seeds[0]}"] = (NO_TOOL, args.seeds[0])
+    results = {label: measure(source, tool, seed, args.minutes) for label, (tool, seed) in runs.items()}
+    print(f"\n{source.stem}, from scratch, at most {args.minutes:g} minutes of `meshy run` per run\n")
+    for label, (curve, ending) in results.items():
         reached = curve.reached()
         when = f"at {reached / 60:.1f} min" if reached else "never"
-        print(f"{mode}: {ending}; a mean reward of {TARGET} over {WINDOW} versions reached {when}")
-    columns = [f"{label} {mode}" for mode in MODES for label in ("reward", "exact")]
+        print(f"{label}: {ending}; a mean reward of {TARGET} over {WINDOW} versions reached {when}")
+    columns = [f"{kind} {label}" for label in runs for kind in ("reward", "exact")]
     print("\n| minute | " + " | ".join(columns) + " |")
     print("|" + "---|" * (len(columns) + 1))
     for minute in range(1, int(args.minutes + 0.999) + 1):

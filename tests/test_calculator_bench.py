@@ -14,16 +14,18 @@ def bench():
     return load_bench("calculator_curve")
 
 
-def test_the_baseline_is_the_shipped_recipe_without_the_tool(tmp_path):
+def test_the_baseline_is_the_shipped_recipe_without_the_tool_and_seeds_change_only_the_seed(tmp_path):
     source = shipped()["calculator-tiny-cpu"]
     shipped_recipe = load_recipe(source)
-    for tool in ("true", "false"):
-        directory = tmp_path / tool
+    for tool, seed in (("true", shipped_recipe.seed), ("false", shipped_recipe.seed), ("true", 7)):
+        directory = tmp_path / f"{tool}-{seed}"
         directory.mkdir()
-        recipe = load_recipe(bench().recipe(directory, source, tool))
+        recipe = load_recipe(bench().recipe(directory, source, tool, seed))
         assert recipe.task.environment_options == {**shipped_recipe.task.environment_options, "tool": tool == "true"}
-        assert recipe.run_dir == str(directory)
-        same = dataclasses.replace(recipe, run_dir=shipped_recipe.run_dir, task=shipped_recipe.task)
+        assert recipe.run_dir == str(directory) and recipe.seed == seed
+        same = dataclasses.replace(
+            recipe, run_dir=shipped_recipe.run_dir, task=shipped_recipe.task, seed=shipped_recipe.seed
+        )
         assert same == shipped_recipe, "nothing else changed"
 
 
