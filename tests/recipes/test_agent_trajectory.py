@@ -324,6 +324,29 @@ def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_a
     assert asyncio.run(calculator.environment().step(call("47*83"))).reward == 0.0  # no shaping by default
 
 
+def test_a_turn_that_only_writes_the_end_marker_s_text_has_not_ended_and_is_not_paid_as_ended():
+    """The piece tokenizer has the user turn's tail ("<|im_end|>\\n<|im_start|>assistant\\n") as one id. A
+    policy writing it after the call (or the answer) writes the marker's text, but the engine stops only
+    at the end-of-turn id: the turn runs on to its budget and never reaches the tool's result. Paying it
+    as ended kept runs from scratch copying for thousands of versions (the end-of-turn id at p < 0.01)."""
+    tokenizer, problem = calculator.tokenizer(), calculator.Problem("47*83=", "3901")
+    pieces = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+    (tail,) = [piece for piece in pieces if piece.startswith("<|im_end|>") and piece != "<|im_end|>"]
+    call = calculator.CALL_OPEN + "47*83" + calculator.CALL_CLOSE
+
+    def reward(*turns: str) -> float:
+        env = calculator.environment(partial_credit=True)
+        asyncio.run(env.reset(problem))
+        return sum(asyncio.run(env.step(turn)).reward for turn in turns)
+
+    assert reward(call + "<|im_end|>") == pytest.approx(calculator.CALL_CREDIT)
+    assert reward(call + tail + "77") == pytest.approx(0.2 * 0.9), "not ended"
+    assert reward(call + "<|im_end|>", "3901<|im_end|>") == pytest.approx(1.0)
+    assert reward(call + "<|im_end|>", "3901" + tail) == pytest.approx(0.2 + 0.2 * 0.8), "right digits, not ended"
+    assert calculator.split_turn("3901 \n<|im_end|>") == ("3901 \n", True)
+    assert calculator.split_turn("3901<|im_end|>\n") == ("3901", False)
+
+
 def test_the_calculator_s_products_always_have_twice_the_digits_of_their_operands():
     for digits in (1, 2, 3):
         products = list(itertools.islice(calculator.problems(0, digits), 2000))

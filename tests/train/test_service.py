@@ -177,6 +177,43 @@ def test_the_same_groups_train_the_same_weights_whatever_order_they_became_ready
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "bit-identical weights"
 
 
+def test_reward_mean_counts_the_rows_dynamic_sampling_dropped(client, unique, tmp_path):
+    """A group whose answers were all right has no advantage and is not trained; the version's reward
+    is still its own rows' reward, so a policy that gets every group right reports 1, not nothing."""
+    task = cols.train_with(reward=True)
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(task,))).name
+    rows, rewards = [0, 1, 2, 3], [1.0, 1.0, 0.25, 0.75]
+    client.put(table, rows, {cols.PROMPT_IDS: [torch.tensor([1, 2])] * 4}, group_ids=[0, 0, 1, 1])
+    client.add_columns(table, rows, {
+        cols.RESPONSE_IDS: [torch.tensor([3, 4, 5])] * 4,
+        cols.ROLLOUT_LOGPROBS: [torch.full((3,), -1.0)] * 4,
+        cols.TOKEN_VERSIONS: [torch.zeros(3, dtype=torch.int64)] * 4,
+        # group 0's rewards are equal: rollout gives its rows an empty advantage (dynamic sampling)
+        cols.ADVANTAGE: [torch.zeros(0), torch.zeros(0), torch.full((3,), -1.0), torch.full((3,), 1.0)],
+        cols.REWARD: torch.tensor(rewards),
+    })  # fmt: skip
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(table=table, task=task.name, groups_per_rank=2, batch_timeout_s=5, report_reward=True)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+    service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
+    record = service.train_batch(service.wait_for_batch())
+    assert (record["rows_trained"], record["rows_dropped"]) == (2, 2)
+    assert record["reward_mean"] == sum(rewards) / 4
+
+
+def test_a_step_with_no_token_to_train_leaves_every_weight_where_it_is():
+    """AdamW would move every weight along its momentum even with zero gradients: a step whose rows were
+    all dropped (say, dynamic sampling once every group is right) must not move the policy."""
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none", entropy_coef=0.01))
+    tokens = torch.randint(0, ARCH.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    assert trainer.step(PolicyBatch(tokens, torch.ones(2, 5), torch.tensor([1.0, -1.0])))["stepped"] == 1.0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = trainer.step(PolicyBatch(tokens, torch.zeros(2, 5), torch.zeros(2)))
+    assert metrics["stepped"] == 0.0 and metrics["grad_norm"] == 0.0 and trainer.steps == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_non_finite_loss_is_skipped_and_counted():
     model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none"))

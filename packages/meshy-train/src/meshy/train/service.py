@@ -14,6 +14,7 @@ carry no loss, entropy, KL or TIS term, and do not count towards staleness.
 """
 
 import json
+import math
 import threading
 import time
 from collections import Counter
@@ -45,7 +46,8 @@ class TrainServiceConfig:
     minibatches: optimizer steps per version (the version's rows split evenly). max_staleness: newest
     version minus a token's version beyond which the token is not trained (None: no limit).
     checkpoint_every: versions between checkpoints (0: never). report_reward: also lease the `reward`
-    column and report the mean reward of the rows trained. critic_warmup_versions: the first versions
+    column and report the mean reward of the version's rows, trained or dropped (dynamic sampling must
+    not hide the groups that got every answer right). critic_warmup_versions: the first versions
     only the critic learns (JustRL II): their rows are acked as dropped ("critic warm-up") and the
     unchanged weights are published again, so rollout pacing goes on. routing_replay: also lease
     routed_experts and replay it in every forward (a mixture-of-experts model only). policy_mask: also
@@ -192,7 +194,9 @@ class TrainingService:
         if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0 and self.checkpoint_dir is not None:
             checkpoint.save(self.checkpoint_dir, self.version, self.trainer, {"version": self.version})
 
-        rewards = [float(r[cols.REWARD]) for r in rows] if cfg.report_reward else []
+        # Every row the version leased, trained or dropped: the policy's reward, whatever was trained on.
+        leased = batch.columns[cols.REWARD].tolist() if cfg.report_reward and batch is not None else []
+        rewards = [r for r in leased if math.isfinite(r)]
         bins = _staleness_bins(staleness)
         total = _sum_over_ranks(
             {
@@ -323,8 +327,6 @@ class TrainingService:
             rows.append(
                 {"row": row_id, "prompt": c[cols.PROMPT_IDS][i], "response": response, "keep": keep, **per_token}
             )
-            if self.config.report_reward:
-                rows[-1][cols.REWARD] = c[cols.REWARD][i]
         return rows, dropped, staleness
 
     def _routing_problem(self, routed: torch.Tensor) -> str | None:

@@ -3,7 +3,8 @@
 A step's loss is normalised by a count all-reduced over data-parallel ranks (trained tokens, or
 sequences), so FSDP's summed gradients equal those of the whole global batch on one process, and the
 metrics of its loss and loss parts (pg_loss, kl, distill_kl, the entropy bonus) are global means. A step
-whose loss or gradient norm is not finite on any rank is skipped on every rank and counted. A batch
+whose loss or gradient norm is not finite on any rank is skipped on every rank and counted; a step with
+no token to train on any rank (every row dropped) is not taken at all (`stepped` 0). A batch
 with routed_experts replays that routing in every forward of the step (and the backward's
 recomputations under activation checkpointing).
 """
@@ -247,17 +248,20 @@ class PolicyTrainer:
 
         loss = aggregate(token_loss, batch.mask, cfg.aggregation, denominator)
         loss.backward()
-        grad_norm, stepped = finite_step(self.model, self.optimizer, self.scheduler, loss, self.optim.max_grad_norm)
-        if stepped:
-            self.steps += 1
-        else:
-            self.skipped_nonfinite += 1
+        if global_tokens:
+            grad_norm, stepped = finite_step(self.model, self.optimizer, self.scheduler, loss, self.optim.max_grad_norm)
+            self.steps += stepped
+            self.skipped_nonfinite += not stepped
+        else:  # no rank has a token to train: AdamW would still move every weight along its momentum
+            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm, stepped = 0.0, False
         # One all-reduce turns every rank's shares into the global means, the loss's and its parts'.
         totals = reduce_over_ranks(torch.stack([loss.detach(), *parts.values()]).float()).tolist()
         metrics.update(zip(parts, totals[1:], strict=True))
         metrics.update(
             loss=totals[0],
             grad_norm=grad_norm,
+            stepped=float(stepped),
             lr=self.scheduler.get_last_lr()[0],
             skipped_nonfinite=float(self.skipped_nonfinite),
         )

@@ -86,9 +86,19 @@ def calculate(expression: str) -> str:
 CALCULATOR = Tool("calculator", calculate, "Evaluate a+b, a-b or a*b of two integers.", {"expression": "string"})
 
 
+def split_turn(turn: str) -> tuple[str, bool]:
+    """A turn's text before its end-of-turn marker, and whether the turn ended there: the marker is the
+    turn's last text. The engine stops a turn at its end-of-turn id, so a turn whose marker has text after
+    it did not end: it wrote some other id whose text begins with the marker (a piece tokenizer has the
+    prompt's "<|im_end|>\\n<|im_start|>assistant\\n" as one id) and ran on to its token budget."""
+    before, marker, after = turn.partition(END_OF_TURN)
+    return before, bool(marker) and not after
+
+
 def answer_reward(final_turn: str, problem: Problem) -> float:
-    """1.0 when the final turn's text (up to its end-of-turn marker) is exactly the answer."""
-    return float(final_turn.split(END_OF_TURN)[0].strip() == problem.answer)
+    """1.0 when the final turn is exactly the answer (surrounding whitespace aside) and ended after it."""
+    answer, ended = split_turn(final_turn)
+    return float(ended and answer.strip() == problem.answer)
 
 
 def in_place(text: str, target: str) -> int:
@@ -101,9 +111,9 @@ def partial_answer_reward(final_turn: str, problem: Problem) -> float:
     ending the turn right after them."""
     if answer_reward(final_turn, problem):
         return 1.0
-    answer, ended, _ = final_turn.partition(END_OF_TURN)
+    answer, ended = split_turn(final_turn)
     answer, target = answer.strip(), problem.answer
-    return ANSWER_CREDIT * (0.8 * in_place(answer, target) / max(len(answer), len(target)) + 0.2 * bool(ended))
+    return ANSWER_CREDIT * (0.8 * in_place(answer, target) / max(len(answer), len(target)) + 0.2 * ended)
 
 
 def call_credit(action: str, results: list[ToolResult], problem: Problem) -> float:
@@ -115,7 +125,7 @@ def call_credit(action: str, results: list[ToolResult], problem: Problem) -> flo
     expression = problem.prompt.removesuffix("=")
     argument, quote, rest = action.removeprefix(CALL_OPEN).partition('"')
     closed = bool(quote) and (quote + rest).startswith(CALL_CLOSE)
-    ended = closed and (quote + rest).removeprefix(CALL_CLOSE).startswith(END_OF_TURN)
+    ended = closed and (quote + rest).removeprefix(CALL_CLOSE) == END_OF_TURN
     copied = in_place(argument, expression) / max(len(argument), len(expression))
     return CALL_CREDIT * (0.1 + 0.7 * copied + 0.1 * closed + 0.1 * ended)
 
