@@ -303,7 +303,9 @@ def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_a
     assert asyncio.run(started().step("3911" + end)).reward == 0.0, "no credit for a near answer without a call"
     refused = started(call("47*8x"))  # the calculator refused it: still no credit for near answers
     assert asyncio.run(refused.step("3911" + end)).reward == 0.0
-    answered = started(call("47*93"))  # a call of the wrong product, answered
+    other = started(call("47*93"))  # the calculator answered, but not with the problem's result
+    assert asyncio.run(other.step("3911" + end)).reward == 0.0, "no credit for digits its result did not hold"
+    answered = started(call("83*47"))  # the calculator gave the answer (in whatever form it was asked)
     assert asyncio.run(answered.step("3911" + end)).reward == pytest.approx(0.2 * (0.8 * 3 / 4 + 0.2))
     assert asyncio.run(answered.step("390" + end)).reward == pytest.approx(0.2 * (0.8 * 3 / 4 + 0.2))
     assert asyncio.run(answered.step("39011")).reward == pytest.approx(0.2 * 0.8 * 4 / 5), "cut: not ended"
@@ -321,14 +323,16 @@ def test_the_calculator_s_partial_credit_pays_for_a_call_by_its_parts_and_only_a
     step = asyncio.run(bare.step(call("47*83")))
     assert bare.tool_schemas() == [] and step.calls[0].error == "unknown-tool" and step.reward == 0.0
     assert asyncio.run(bare.step("3911" + end)).reward == pytest.approx(0.2 * (0.8 * 3 / 4 + 0.2))
-    assert asyncio.run(calculator.environment().step(call("47*83"))).reward == 0.0  # no shaping by default
+    plain = calculator.environment()  # no shaping by default
+    asyncio.run(plain.reset(problem))
+    assert asyncio.run(plain.step(call("47*83"))).reward == 0.0
 
 
 def test_a_turn_that_only_writes_the_end_marker_s_text_has_not_ended_and_is_not_paid_as_ended():
     """The piece tokenizer has the user turn's tail ("<|im_end|>\\n<|im_start|>assistant\\n") as one id. A
     policy writing it after the call (or the answer) writes the marker's text, but the engine stops only
     at the end-of-turn id: the turn runs on to its budget and never reaches the tool's result. Paying it
-    as ended kept runs from scratch copying for thousands of versions (the end-of-turn id at p < 0.01)."""
+    as ended kept a run from scratch at the call for a thousand versions (the end-of-turn id at p < 0.01)."""
     tokenizer, problem = calculator.tokenizer(), calculator.Problem("47*83=", "3901")
     pieces = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
     (tail,) = [piece for piece in pieces if piece.startswith("<|im_end|>") and piece != "<|im_end|>"]

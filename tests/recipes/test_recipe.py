@@ -48,6 +48,10 @@ def test_the_embedded_default_loads_and_resolves():
         ),
         (lambda t: t.replace("pacing = 1", 'pacing = "fast"'), "pacing: expected an int >= 1 or \"none\", got 'fast'"),
         (lambda t: t.replace("pacing = 1", "pacing = 0"), "pacing: expected an int >= 1"),
+        (
+            lambda t: t.replace("pacing = 1", "pacing = 1\nepochs = 0"),
+            "group_size, prompts_per_step, minibatches and epochs must be >= 1",
+        ),
         (lambda t: t.replace('kind = "grpo"', 'kind = "ppo"'), 'algorithm.kind: "ppo" trains a learned critic'),
         (lambda t: t.replace('kind = "grpo"', 'kind = "distill"'), 'algorithm.kind: "distill" needs a [roles.teacher]'),
         (lambda t: t.replace('name = "qwen3-tiny"', 'name = "qwen4"'), "model: unknown name 'qwen4'"),

@@ -201,6 +201,28 @@ def test_reward_mean_counts_the_rows_dynamic_sampling_dropped(client, unique, tm
     assert record["reward_mean"] == sum(rewards) / 4
 
 
+def test_epochs_pass_over_a_version_s_minibatches_again_clipped_against_where_the_version_started(
+    client, unique, tmp_path
+):
+    weights, steps, clipped = {}, {}, {}
+    for epochs in (1, 2):
+        table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
+        put_groups(client, table, range(4), 2, ARCH.vocab_size)
+        model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+        config = TrainServiceConfig(table=table, groups_per_rank=4, minibatches=2, epochs=epochs, batch_timeout_s=5)
+        trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none", clip_low=0.01, clip_high=0.01))
+        publisher = DirectoryPublisher(tmp_path / str(epochs), ARCH, dtype="float32")
+        service = TrainingService(client, trainer, publisher, config)
+        record = service.train_batch(service.wait_for_batch())
+        assert record["rows_trained"] == 8
+        weights[epochs], steps[epochs], clipped[epochs] = model.state_dict(), trainer.steps, record["clip_fraction"]
+    assert steps == {1: 2, 2: 4}
+    assert any(not torch.equal(weights[1][k], weights[2][k]) for k in weights[1]), "the second pass trained"
+    # The second pass's ratios are to the version's start, which its steps have moved from: a 1% clip
+    # catches more of its tokens than of the first pass's.
+    assert clipped[2] > clipped[1]
+
+
 def test_a_step_with_no_token_to_train_leaves_every_weight_where_it_is():
     """AdamW would move every weight along its momentum even with zero gradients: a step whose rows were
     all dropped (say, dynamic sampling once every group is right) must not move the policy."""

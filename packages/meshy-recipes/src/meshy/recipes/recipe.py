@@ -227,8 +227,10 @@ class AlgorithmSpec:
     """kind: grpo (group baselines), ppo (a learned critic; needs a critic role) or distill (online
     policy distillation; needs a teacher role). pacing: the window W of rollout ahead of training: 1 is
     on-policy lock-step, k bounded off-policy, "none" fully asynchronous. prompts_per_step: groups per
-    weights version, over all training ranks. ppo: initial_value (the value head's bias, the mean reward),
-    value_clip, gae_k (per-sample GAE lambda = gae_k ** (1 / length)), critic_optim, critic_warmup_versions.
+    weights version, over all training ranks. minibatches: optimizer steps per pass over a version's rows;
+    epochs: passes (PPO epochs), each step clipped against the logprobs the version started from.
+    ppo: initial_value (the value head's bias, the mean reward), value_clip, gae_k (per-sample GAE
+    lambda = gae_k ** (1 / length)), critic_optim, critic_warmup_versions.
     distill: teacher_topk ids per token; set loss.distill_coef (and pg_coef 0 for pure distillation).
     dynamic_sampling: rows of a group whose rewards are all equal are not trained (counted as dropped).
     overlong_buffer: DAPO soft overlong penalty over the last overlong_buffer tokens of max_new_tokens,
@@ -246,6 +248,7 @@ class AlgorithmSpec:
     pacing: int | str = 1
     max_staleness: int | None = None
     minibatches: int = 1
+    epochs: int = 1
     scale_by_std: bool = True
     dynamic_sampling: bool = False
     overlong_buffer: int = 0
@@ -263,8 +266,8 @@ class AlgorithmSpec:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.group_size < 1 or self.prompts_per_step < 1 or self.minibatches < 1:
-            raise SchemaError(f"group_size, prompts_per_step and minibatches must be >= 1: {self}")
+        if self.group_size < 1 or self.prompts_per_step < 1 or self.minibatches < 1 or self.epochs < 1:
+            raise SchemaError(f"group_size, prompts_per_step, minibatches and epochs must be >= 1: {self}")
         if not (self.pacing == "none" or (isinstance(self.pacing, int) and self.pacing >= 1)):
             raise SchemaError(f'pacing: expected an int >= 1 or "none", got {self.pacing!r}')
         if not 0 < self.gae_k <= 1:

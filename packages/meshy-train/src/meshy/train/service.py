@@ -43,7 +43,9 @@ class Publisher(Protocol):
 @dataclass(frozen=True)
 class TrainServiceConfig:
     """table/task: where rows come from. groups_per_rank: whole groups each rank trains per version.
-    minibatches: optimizer steps per version (the version's rows split evenly). max_staleness: newest
+    minibatches: the version's rows split evenly into this many optimizer steps; epochs: passes over them
+    (PPO epochs: minibatches * epochs steps, every one clipped against the logprobs the version started
+    from). max_staleness: newest
     version minus a token's version beyond which the token is not trained (None: no limit).
     checkpoint_every: versions between checkpoints (0: never). report_reward: also lease the `reward`
     column and report the mean reward of the version's rows, trained or dropped (dynamic sampling must
@@ -57,6 +59,7 @@ class TrainServiceConfig:
     task: str = cols.TRAIN_TASK.name
     groups_per_rank: int = 1
     minibatches: int = 1
+    epochs: int = 1
     max_staleness: int | None = None
     lease_s: float = 600.0
     batch_timeout_s: float = 600.0
@@ -73,9 +76,12 @@ class TrainServiceConfig:
         if (
             self.groups_per_rank < 1
             or self.minibatches < 1
+            or self.epochs < 1
             or min(self.checkpoint_every, self.critic_warmup_versions) < 0
         ):
-            raise SchemaError(f"TrainServiceConfig: groups_per_rank, minibatches >= 1, checkpoint_every >= 0: {self}")
+            raise SchemaError(
+                f"TrainServiceConfig: groups_per_rank, minibatches, epochs >= 1, checkpoint_every >= 0: {self}"
+            )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise SchemaError(f"TrainServiceConfig.max_staleness: expected None or >= 0, got {self.max_staleness}")
 
@@ -179,11 +185,11 @@ class TrainingService:
             dropped += [{"row": row["row"], "reason": "critic warm-up"} for row in rows]
             rows = []
         minibatches = [] if warming_up else self._minibatches(rows)
-        if cfg.minibatches > 1:
+        if cfg.minibatches * cfg.epochs > 1:
             for mb in minibatches:
                 mb.old_logprobs = self.trainer.logprobs(mb)
         train_start = time.perf_counter()
-        steps = [self.trainer.step(mb) for mb in minibatches]
+        steps = [self.trainer.step(mb) for _ in range(cfg.epochs) for mb in minibatches]
         train_seconds = time.perf_counter() - train_start
         if batch is not None:
             self.client.ack(batch)

@@ -46,6 +46,7 @@ class TrainingRole:
             table=ctx.table,
             groups_per_rank=algo.prompts_per_step // ctx.slot.count,
             minibatches=algo.minibatches,
+            epochs=algo.epochs,
             max_staleness=algo.max_staleness,
             distill=algo.kind == "distill",
             kl_to_reference=algo.loss.kl_coef > 0,

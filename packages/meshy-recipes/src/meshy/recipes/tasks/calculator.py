@@ -19,9 +19,11 @@ twice their digits (32..99 for two), so an answer's length never gives it away.
 for the call's format and arguments). The first turn that opens with a call of the calculator earns up to
 CALL_CREDIT: a tenth for the call's opening as the tool's format writes it, seven tenths by the share of
 the problem's expression its argument has in place, a tenth for closing the call and a tenth for ending
-the turn there. A final answer that is not exact earns up to ANSWER_CREDIT (by its characters in place
-in the right answer, and for ending the turn after them), but only once the calculator has answered a
-call: a policy paid for near answers without calling learns to guess, not to call. An exact answer
+the turn there (with the end-of-turn id: `split_turn`). A final answer that is not exact earns up to
+ANSWER_CREDIT (by its characters in place in the right answer, and for ending the turn after them), but
+only once the calculator has given the answer (a call that computed the problem's result): a policy paid
+for near answers without calling learns to guess, not to call, and one paid after any call is paid for
+digits its call's result did not hold, noise on the credit for copying the expression. An exact answer
 makes the trajectory's reward 1 whatever it was paid before, and nothing else reaches 1. `tool=False`
 poses the same problems without the tool (the baseline: the same reward for answers, always paid, and
 no calculator to call or be paid for calling).
@@ -164,7 +166,7 @@ def environment(
 
 class CalculatorEnvironment(ToolEnvironment):
     """A ToolEnvironment that pays partial credit as the module's doc says: it remembers (in its state)
-    whether the calculator has answered a call, and what the trajectory has been paid so far, so that an
+    whether the calculator has given the answer, and what the trajectory has been paid so far, so that an
     exact answer brings the total to 1."""
 
     def __init__(self, *args, partial_credit: bool, **kwargs) -> None:
@@ -190,8 +192,8 @@ class CalculatorEnvironment(ToolEnvironment):
         return await super().reset(problem)
 
     async def step(self, action: str) -> Step:
-        step = await super().step(action)
-        self._answered = self._answered or any(c.error is None for c in step.calls)
+        step, problem = await super().step(action), self._problem
+        self._answered = self._answered or any(c.error is None and c.content == problem.answer for c in step.calls)
         if step.done and step.reward == 1.0:  # exact: the total is 1
             step = dataclasses.replace(step, reward=1.0 - self._paid)
         self._paid += step.reward
