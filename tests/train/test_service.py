@@ -236,6 +236,24 @@ def test_a_step_with_no_token_to_train_leaves_every_weight_where_it_is():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_step_whose_every_advantage_is_zero_is_not_steered_by_the_entropy_bonus_alone():
+    """Once every group gets every answer right, every advantage is 0 and the entropy bonus is all that is
+    left: AdamW's full-size step along it alone flattened a learned policy to the uniform one. With a KL
+    term there is still something to learn, and the step is taken."""
+    tokens = torch.randint(0, ARCH.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    for loss, moves in (
+        (LossConfig(tis="none", entropy_coef=0.03), False),
+        (LossConfig(tis="none", kl_coef=0.1), True),
+    ):
+        model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+        trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), loss)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ref = trainer.logprobs(PolicyBatch(tokens, torch.ones(2, 5), torch.zeros(2))) - 1.0
+        metrics = trainer.step(PolicyBatch(tokens, torch.ones(2, 5), torch.zeros(2), ref_logprobs=ref))
+        assert metrics["stepped"] == float(moves), loss
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()) == moves, loss
+
+
 def test_a_non_finite_loss_is_skipped_and_counted():
     model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none"))

@@ -4,7 +4,9 @@ A step's loss is normalised by a count all-reduced over data-parallel ranks (tra
 sequences), so FSDP's summed gradients equal those of the whole global batch on one process, and the
 metrics of its loss and loss parts (pg_loss, kl, distill_kl, the entropy bonus) are global means. A step
 whose loss or gradient norm is not finite on any rank is skipped on every rank and counted; a step with
-no token to train on any rank (every row dropped) is not taken at all (`stepped` 0). A batch
+nothing to learn from on any rank is not taken at all (`stepped` 0): no token to train (every row
+dropped), or a policy-gradient step whose every advantage is 0 (every group's rewards equal) with no KL or
+distillation term, where only the entropy bonus would act. A batch
 with routed_experts replays that routing in every forward of the step (and the backward's
 recomputations under activation checkpointing).
 """
@@ -191,9 +193,15 @@ class PolicyTrainer:
         cfg = self.loss
         device = batch.tokens.device
         local_tokens = batch.mask.sum()
-        counts = torch.stack([local_tokens, (batch.mask.sum(dim=1) > 0).sum().to(local_tokens.dtype)]).float()
-        global_tokens, global_sequences = reduce_over_ranks(counts.to(device)).tolist()
+        advantages = batch.advantages if batch.advantages.ndim == 2 else batch.advantages.unsqueeze(1)
+        sequences = (batch.mask.sum(dim=1) > 0).sum()
+        signal = (batch.mask.bool() & (advantages != 0)).sum()
+        counts = torch.stack([local_tokens.float(), sequences.float(), signal.float()])
+        global_tokens, global_sequences, global_signal = reduce_over_ranks(counts.to(device)).tolist()
         denominator = max(global_tokens if cfg.aggregation == "token_mean" else global_sequences, 1.0)
+        # Nothing to learn from on any rank: no token, or (a policy-gradient step with no advantage, say
+        # every group got every answer right) only the entropy bonus, which must not steer alone.
+        learns = global_tokens > 0 and (global_signal > 0 or not cfg.pg_coef or cfg.kl_coef or cfg.distill_coef)
 
         logits = forward_logits(self.model, batch.tokens)
         if cfg.temperature != 1.0:
@@ -248,11 +256,12 @@ class PolicyTrainer:
 
         loss = aggregate(token_loss, batch.mask, cfg.aggregation, denominator)
         loss.backward()
-        if global_tokens:
+        if learns:
             grad_norm, stepped = finite_step(self.model, self.optimizer, self.scheduler, loss, self.optim.max_grad_norm)
             self.steps += stepped
             self.skipped_nonfinite += not stepped
-        else:  # no rank has a token to train: AdamW would still move every weight along its momentum
+        else:  # AdamW would still move every weight along its momentum, and its full-size step along the
+            # entropy bonus's gradient alone flattens a policy that has learned (seen: 1.0 to the uniform policy)
             self.optimizer.zero_grad(set_to_none=True)
             grad_norm, stepped = 0.0, False
         # One all-reduce turns every rank's shares into the global means, the loss's and its parts'.
