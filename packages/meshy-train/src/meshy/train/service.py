@@ -45,8 +45,8 @@ class TrainServiceConfig:
     """table/task: where rows come from. groups_per_rank: whole groups each rank trains per version.
     minibatches: the version's rows split evenly into this many optimizer steps; epochs: passes over them
     (PPO epochs: minibatches * epochs steps, every one clipped against the logprobs the version started
-    from). max_staleness: newest
-    version minus a token's version beyond which the token is not trained (None: no limit).
+    from). max_staleness: newest version minus a token's version beyond which the token is not trained
+    (None: no limit).
     checkpoint_every: versions between checkpoints (0: never). report_reward: also lease the `reward`
     column and report the mean reward of the version's rows, trained or dropped (dynamic sampling must
     not hide the groups that got every answer right). critic_warmup_versions: the first versions
