@@ -61,7 +61,8 @@ from meshy.recipes.tasks.arithmetic import Problem
 from meshy.recipes.tasks.byte_tokenizer import ByteTokenizer
 from meshy.recipes.tasks.chat_templates import Message
 from meshy.recipes.topology import Slot
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.config import ParallelConfig
+from meshy.train.parallel import build_model
 from meshy.train.publish import hf_tensors
 
 TOKENIZER = ByteTokenizer()

@@ -37,8 +37,9 @@ from transformers import AutoModelForCausalLM
 from meshy.infer import sampling
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
+from meshy.train.config import ParallelConfig
 from meshy.train.models import DecoderArch, get_model
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher
 
 MODELS = {

@@ -13,8 +13,9 @@ from meshy.infer.engine import SamplingParams
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
 from meshy.infer.torch_engine import TorchEngine, _Request, _Scheduler
 from meshy.infer.torch_model import ModelConfig, _Causal, load_model
+from meshy.train.config import ParallelConfig
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, hf_tensors
 from tests.infer.test_torch_engine import ARCH as DENSE
 from tests.infer.test_torch_engine import sharp_weights

@@ -11,9 +11,10 @@ from meshy.dataplane.weights import CorruptWeights, read_published
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.infer.torch_model import ModelConfig, load_model
+from meshy.train.config import ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher, hf_tensors
 from tests.infer.conformance import EngineConformance, EngineSpec, async_case, greedy, prompt
 

@@ -27,8 +27,9 @@ from meshy.recipes.agents.trajectory import (
 from meshy.recipes.tasks import calculator
 from meshy.recipes.tasks.byte_tokenizer import ByteTokenizer
 from meshy.recipes.tasks.chat_templates import Message, observation, render
+from meshy.train.config import ParallelConfig
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.parallel import build_model
 from meshy.train.publish import hf_tensors
 
 TOKENIZER = ByteTokenizer()

@@ -13,7 +13,8 @@ from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.reference_weights import publish_reference, wait_for_reference
 from meshy.recipes.roles.critic import CriticRole
 from meshy.recipes.topology import assign
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.config import ParallelConfig
+from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, hf_tensors
 
 

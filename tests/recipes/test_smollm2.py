@@ -22,9 +22,10 @@ from meshy.recipes.recipe import ModelSpec, load_recipe
 from meshy.recipes.tasks import math as math_task
 from meshy.recipes.tasks.chat_templates import Message, render
 from meshy.recipes.tasks.hf_tokenizer import HFTokenizer
+from meshy.train.config import ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model, load_weights
+from meshy.train.parallel import build_model, load_weights
 from meshy.train.publish import hf_tensors
 from tests.recipes.test_pipeline import meshy_run, records
 from tests.recipes.test_smollm2_tools import CALC, TOOLS_SYSTEM

@@ -8,10 +8,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model, init_process_group, load_weights
-from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
+from meshy.train.parallel import build_model, load_weights
+from meshy.train.process_group import init_process_group
+from meshy.train.trainer import PolicyBatch, PolicyTrainer
 
 
 def main() -> None:

@@ -13,9 +13,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshy.train import checkpoint
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model, init_process_group
-from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
+from meshy.train.parallel import build_model
+from meshy.train.process_group import init_process_group
+from meshy.train.trainer import PolicyBatch, PolicyTrainer
 
 
 def batch(step: int, rank: int, vocab: int) -> PolicyBatch:

@@ -11,11 +11,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from meshy.dataplane import DataPlaneClient, Endpoints, secret_from_env
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model, init_process_group
+from meshy.train.parallel import build_model
+from meshy.train.process_group import init_process_group
 from meshy.train.publish import DirectoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
-from meshy.train.trainer import LossConfig, OptimConfig, PolicyTrainer
+from meshy.train.trainer import PolicyTrainer
 
 
 def main() -> None:

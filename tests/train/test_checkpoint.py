@@ -9,9 +9,10 @@ import torch
 
 from meshy.train import checkpoint
 from meshy.train.checkpoint import CorruptCheckpoint
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model
-from meshy.train.trainer import LossConfig, OptimConfig, PolicyTrainer
+from meshy.train.parallel import build_model
+from meshy.train.trainer import PolicyTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 

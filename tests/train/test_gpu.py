@@ -11,11 +11,12 @@ from meshy.dataplane import HOST, free_cached
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.train import checkpoint, offload
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.parallel import build_model
 from meshy.train.publish import hf_tensors
-from meshy.train.trainer import LossConfig, OptimConfig, PolicyTrainer
+from meshy.train.trainer import PolicyTrainer
 from tests.test_device_placement import LOSSES, policy_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from meshy.dataplane import SchemaError
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model, load_weights
+from meshy.train.parallel import build_model, load_weights
 from meshy.train.publish import hf_tensors
-from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
+from meshy.train.trainer import PolicyBatch, PolicyTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,9 +23,10 @@ from meshy.dataplane.weights import (
     tensors_checksum,
     unpack_buckets,
 )
+from meshy.train.config import ParallelConfig
 from meshy.train.logprobs import forward_logits
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model, load_weights
+from meshy.train.parallel import build_model, load_weights
 from meshy.train.publish import (
     CollectivePublisher,
     DirectoryPublisher,
@@ -36,6 +37,7 @@ from meshy.train.publish import (
     hf_tensors,
     pack_version,
 )
+from meshy.train.titan_models import titan_config
 
 
 @pytest.mark.parametrize(
@@ -205,7 +207,7 @@ def test_meta_instantiation_gives_the_published_parameter_counts():
     for name in ("qwen3-1.7b", "qwen3-8b", "qwen3-30b-a3b", "minicpm5-1b", "minicpm5-2b", "minicpm5-2.6b"):
         arch = get_model(name)
         with torch.device("meta"):
-            model = arch.titan_config().build()
+            model = titan_config(arch).build()
         unique_params = sum(p.numel() for p in model.parameters())
         stored = unique_params + (arch.vocab_size * arch.hidden_size if arch.tie_word_embeddings else 0)
         assert unique_params == arch.num_parameters(), name

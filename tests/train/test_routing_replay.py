@@ -5,11 +5,12 @@ import torch
 
 from meshy.dataplane import HOST, SchemaError
 from meshy.dataplane import rollout as cols
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.parallel import build_model
 from meshy.train.routing_replay import FREE, replay_routers, replay_routing, routing_shape
 from meshy.train.service import TrainingService, TrainServiceConfig
-from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
+from meshy.train.trainer import PolicyBatch, PolicyTrainer
 from tests.benches import load_bench
 from tests.train.rows import add_routing, put_groups, response_lengths
 

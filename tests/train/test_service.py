@@ -12,13 +12,14 @@ import torch
 from meshy.dataplane import SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import Published
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.logprobs import pack_rows
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig, build_model
+from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
-from meshy.train.trainer import LossConfig, OptimConfig, PolicyBatch, PolicyTrainer
+from meshy.train.trainer import PolicyBatch, PolicyTrainer
 from tests.train.rows import put_groups
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,6 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,15 +23,14 @@ from meshy.dataplane import DataPlaneClient, DataPlaneError, Endpoints, SchemaEr
 from meshy.recipes.context import RoleContext, announce_stop
 from meshy.recipes.dataflow import tables
 from meshy.recipes.imports import import_object
-from meshy.recipes.nodes import NODE_ADDRESS_ENV, node_address, node_rank
+from meshy.recipes.nodes import NODE_ADDRESS_ENV, node_address, node_rank, run_dir
 from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.servers import host_servers
 from meshy.recipes.topology import Slot, assign, on_node
 from meshy.recipes.watchdog import Watchdog
 from meshy.recipes.weight_sync import join_weight_sync
-from meshy.train.parallel import init_process_group
+from meshy.train.process_group import init_process_group
 
-RUN_DIR_ENV = "MESHY_RUN_DIR"
 DONE_KEY = "meshy/done"
 
 
@@ -49,10 +47,6 @@ def role_class(recipe: Recipe, slot: Slot) -> type:
     if slot.role in builtin:
         return import_object(builtin[slot.role], f"roles.{slot.role}")
     return import_object(next(c.cls for c in recipe.roles.custom if c.name == slot.role), f"roles.custom.{slot.role}")
-
-
-def run_dir(recipe: Recipe) -> Path:
-    return Path(os.environ.get(RUN_DIR_ENV) or Path(recipe.run_dir) / recipe.name)
 
 
 def main(argv: list[str] | None = None) -> None:

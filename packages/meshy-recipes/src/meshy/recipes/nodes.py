@@ -1,4 +1,4 @@
-"""Where a process of a run is: its node's rank and its node's address.
+"""Where a process of a run is: its run's directory, its node's rank and its node's address.
 
 `meshy run --node-rank R` hands both to every rank in the environment; under a plain `torchrun` the node's
 rank is torchrun's own. A node's address is the one the
@@ -11,15 +11,23 @@ import ipaddress
 import os
 import socket
 import struct
+from pathlib import Path
 
 from meshy.dataplane import SchemaError
 from meshy.recipes.recipe import Recipe
 
+RUN_DIR_ENV = "MESHY_RUN_DIR"
+STALL_REPORT = "stall.txt"  # under the run directory's logs/: what a stuck run waited for (meshy.recipes.watchdog)
 NODE_RANK_ENV = "MESHY_NODE_RANK"
 NODE_ADDRESS_ENV = "MESHY_NODE_ADDRESS"
 GROUP_RANK_ENV = "GROUP_RANK"  # torchrun's rank of this node
 INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # set to the node's interface unless set
 _SIOCGIFADDR = 0x8915
+
+
+def run_dir(recipe: Recipe) -> Path:
+    """The run's directory: MESHY_RUN_DIR (`meshy run` sets it), else the recipe's run_dir/name."""
+    return Path(os.environ.get(RUN_DIR_ENV) or Path(recipe.run_dir) / recipe.name)
 
 
 def node_rank(recipe: Recipe) -> int:

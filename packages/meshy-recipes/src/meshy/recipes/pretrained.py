@@ -24,7 +24,6 @@ from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.model_source import read_model
 from meshy.infer.torch_model import ModelConfig
 from meshy.train.models import DecoderArch, get_model
-from meshy.train.parallel import load_weights
 
 GGUF_PREFIX = "gguf:"
 HUB_PREFIX = "hf:"
@@ -83,6 +82,8 @@ def check_init(init: str, arch: DecoderArch) -> None:
 def load_init(model: torch.nn.Module, arch: DecoderArch, init: str) -> None:
     """Load the weights `init` names into a (possibly sharded) model of shape `arch`; "scratch" keeps
     the model as built."""
+    from meshy.train.parallel import load_weights  # torchtitan: only processes that train import it
+
     if init != SCRATCH:
         _, tensors = read_model(resolve(init))
         load_weights(model, arch, tensors)

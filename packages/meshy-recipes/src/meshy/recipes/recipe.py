@@ -23,9 +23,8 @@ from meshy.recipes.dataflow import check_dataflow
 from meshy.recipes.pretrained import check_init
 from meshy.recipes.tasks.chat_templates import TEMPLATES
 from meshy.recipes.topology import layout
+from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
-from meshy.train.parallel import ParallelConfig
-from meshy.train.trainer import LossConfig, OptimConfig
 
 BUILTIN_ROLES = ("training", "inference", "rollout", "environment", "critic", "teacher", "reference")
 RING_ROLES = ("training", "inference")  # the roles that hand devices over through a GPU token ring

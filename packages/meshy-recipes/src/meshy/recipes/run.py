@@ -21,15 +21,21 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane.security import SECRET_ENV
 from meshy.recipes.catalog import check_nodes
 from meshy.recipes.cluster import SILENT, Cluster, parse_endpoint
-from meshy.recipes.launch import RUN_DIR_ENV
-from meshy.recipes.nodes import INTERFACE_ENVS, NODE_ADDRESS_ENV, NODE_RANK_ENV, interface_of, node_address
+from meshy.recipes.nodes import (
+    INTERFACE_ENVS,
+    NODE_ADDRESS_ENV,
+    NODE_RANK_ENV,
+    RUN_DIR_ENV,
+    STALL_REPORT,
+    interface_of,
+    node_address,
+)
 from meshy.recipes.parent_death import die_with_parent
 from meshy.recipes.recipe import DEFAULT_RECIPE, Recipe, load_recipe
 from meshy.recipes.run_secret import run_secret
 from meshy.recipes.shared_dir import probe, shared_reasons
 from meshy.recipes.topology import Slot, assign, on_node
 from meshy.recipes.torchrun_output import RootCause, TorchrunOutput, exit_status
-from meshy.recipes.watchdog import STALL_REPORT
 from meshy.train import checkpoint
 
 RECIPE_FILE = "recipe.toml"

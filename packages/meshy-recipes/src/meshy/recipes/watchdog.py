@@ -19,9 +19,9 @@ from pathlib import Path
 from meshy.dataplane import DataPlaneClient, DataPlaneError
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.context import announce_stop
+from meshy.recipes.nodes import STALL_REPORT
 
 STALLED = 3  # rank 0's exit code after a stall report
-STALL_REPORT = "stall.txt"  # under the run directory's logs/
 POLL_S = 1.0
 
 

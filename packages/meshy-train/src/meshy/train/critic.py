@@ -15,9 +15,10 @@ import torch.nn as nn
 from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
+from meshy.train.config import OptimConfig
 from meshy.train.logprobs import pack_rows
 from meshy.train.losses import aggregate, clipped_value_loss
-from meshy.train.trainer import OptimConfig, adamw, finite_step, reduce_over_ranks
+from meshy.train.trainer import adamw, finite_step, reduce_over_ranks
 
 
 class ValueModel(nn.Module):

@@ -1,37 +1,15 @@
 """The models Meshy trains: one architecture record per name, in Hugging Face config.json terms.
 
-Every model is built from torchtitan's Qwen3 decoder components. MiniCPM5 is plain Llama, which is
-that decoder with QK-norm off (untied embeddings, GQA, RoPE in the rotate-half layout both HF classes
-use), so one state-dict adapter serves all: Llama's HF weight names are Qwen3's without q_norm/k_norm.
-QKV projections stay separate (torchtitan's fused QKV does not load through distributed state dicts).
-Attention is causal SDPA over right-padded batches, which runs on CPU and GPU alike.
+A record is plain data (recipes are validated by processes that never import torchtitan); how one is built
+from torchtitan's components is meshy.train.titan_models.
 """
 
 import math
 from dataclasses import dataclass
-from functools import partial
-
-import torch.nn as nn
-from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.common.attention import ScaledDotProductAttention
-from torchtitan.models.common.config_utils import (
-    make_ffn_config,
-    make_gqa_config,
-    make_moe_config,
-    make_routed_experts_config,
-    make_router_config,
-)
-from torchtitan.models.common.nn_modules import RMSNorm
-from torchtitan.models.qwen3 import Qwen3Model
-from torchtitan.models.qwen3.model import Qwen3TransformerBlock
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.fields import check_fields
-from meshy.train.routing_replay import replay_router_config
 
-_NORMAL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
-_ONES = {"weight": nn.init.ones_}
 QWEN3 = "Qwen3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 LLAMA = "LlamaForCausalLM"
@@ -104,78 +82,6 @@ class DecoderArch:
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
-
-    def titan_config(self) -> Qwen3Model.Config:
-        """The torchtitan model config (build it under `torch.device("meta")` for large sizes)."""
-        dim, head_dim = self.hidden_size, self.head_dim
-        rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=self.max_position_embeddings, theta=self.rope_theta)
-        layers = []
-        for _ in range(self.num_hidden_layers):
-            attention = make_gqa_config(
-                dim=dim,
-                n_heads=self.num_attention_heads,
-                n_kv_heads=self.num_key_value_heads,
-                head_dim=head_dim,
-                wqkv_param_init=_NORMAL,
-                wo_param_init=_NORMAL,
-                inner_attention=ScaledDotProductAttention.Config(),
-                rope=rope,
-                fuse_qkv=False,
-                qk_norm=self._norm(head_dim) if self.qk_norm else None,
-            )
-            block = Qwen3TransformerBlock.Config(
-                attention_norm=self._norm(dim),
-                ffn_norm=self._norm(dim),
-                attention=attention,
-                feed_forward=None if self.moe else self._ffn(),
-                moe=self._moe() if self.moe else None,
-            )
-            layers.append(block)
-        return Qwen3Model.Config(
-            vocab_size=self.vocab_size,
-            dim=dim,
-            norm=self._norm(dim),
-            enable_weight_tying=self.tie_word_embeddings,
-            tok_embeddings=Embedding.Config(num_embeddings=self.vocab_size, embedding_dim=dim, param_init=_NORMAL),
-            lm_head=Linear.Config(in_features=dim, out_features=self.vocab_size, param_init=_NORMAL),
-            layers=layers,
-        )
-
-    def _norm(self, size: int) -> RMSNorm.Config:
-        return RMSNorm.Config(normalized_shape=size, eps=self.rms_norm_eps, param_init=_ONES)
-
-    def _ffn(self):
-        return make_ffn_config(
-            dim=self.hidden_size, hidden_dim=self.intermediate_size, w1_param_init=_NORMAL, w2w3_param_init=_NORMAL
-        )
-
-    def _moe(self):
-        experts_init = {name: _NORMAL["weight"] for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
-        return make_moe_config(
-            num_experts=self.num_experts,
-            router=replay_router_config(  # torchtitan's router, which can also replay given routing
-                make_router_config(
-                    dim=self.hidden_size,
-                    num_experts=self.num_experts,
-                    gate_param_init=_NORMAL,
-                    top_k=self.num_experts_per_tok,
-                    score_func="softmax",
-                    route_norm=True,
-                )
-            ),
-            routed_experts=make_routed_experts_config(
-                dim=self.hidden_size,
-                hidden_dim=self.moe_intermediate_size,
-                num_experts=self.num_experts,
-                top_k=self.num_experts_per_tok,
-                param_init=experts_init,
-                comm_backend="standard",
-            ),
-        )
-
-    def state_dict_adapter(self) -> Qwen3StateDictAdapter:
-        """Maps torchtitan parameter names to and from the exact HF names."""
-        return Qwen3StateDictAdapter(self.titan_config(), None)
 
     def hf_config(self, torch_dtype: str = "bfloat16") -> dict:
         """config.json for the published HF directory."""

@@ -1,14 +1,11 @@
-"""The trainer's process group, device mesh and model: built on the meta device, parallelized with
+"""The trainer's device mesh and model: built on the meta device, parallelized with
 torchtitan's Qwen3 parallelize function (FSDP2 over data-parallel ranks; TP, EP and CP degrees pass
 through for GPU recipes), then materialised on the local device.
 
 The compute dtype is the recipe's model dtype (one for trainer, publisher and engines), not a parallelism
-setting. The default process group is the training role's own (its ranks only): roles never run collectives
-with each other, they meet on the data plane.
+setting. The default process group is the training role's own (meshy.train.process_group).
 """
 
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -21,65 +18,17 @@ from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.qwen3 import parallelize_qwen3
 
 from meshy.dataplane import SchemaError
-from meshy.dataplane.fields import check_fields
 from meshy.train import cpu
+from meshy.train.config import ParallelConfig
 from meshy.train.models import DecoderArch
+from meshy.train.titan_models import state_dict_adapter, titan_config
 
 SPMD_BACKEND = "partial_dtensor"  # DTensor for model-parallel axes only; plain tensors in and out
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the training role splits its model. dp_shard=-1 takes every rank left after the others."""
-
-    dp_shard: int = -1
-    dp_replicate: int = 1
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
-    activation_checkpoint: Literal["none", "selective", "full"] = "none"
-    compile: bool = False
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        for name in ("dp_replicate", "tp", "ep", "cp"):
-            if getattr(self, name) < 1:
-                raise SchemaError(f"ParallelConfig.{name}: expected a degree >= 1, got {getattr(self, name)}")
-        if self.dp_shard == 0 or self.dp_shard < -1:
-            raise SchemaError(f"ParallelConfig.dp_shard: expected -1 or a degree >= 1, got {self.dp_shard}")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ACTIVATION_CHECKPOINTING = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}
 ModelDtype = Literal["float32", "bfloat16"]
-
-
-def init_process_group(
-    device: str | torch.device,
-    timeout_s: float = 600.0,
-    store: dist.Store | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-) -> None:
-    """Join the training role's process group, for processes whose model lives on `device` (their slot's):
-    from torchrun-style env (RANK, WORLD_SIZE, MASTER_*), or from a store shared with the role's other
-    processes (given with this process's rank and their count)."""
-    if dist.is_initialized():
-        return
-    device = torch.device(device)
-    if device.type == "cpu":
-        cpu.use_cpu_device()
-    else:
-        torch.cuda.set_device(device)
-    # Autograd's worker threads cannot see the mesh stack torchtitan keeps per thread (for AC).
-    torch.autograd.set_multithreading_enabled(False)
-    # On GPUs, NCCL for device tensors and gloo for the small host-tensor collectives (counts, flags,
-    # metrics) the services run: a process group of NCCL alone refuses CPU tensors.
-    backend, timeout = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl", timedelta(seconds=timeout_s)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
 
 
 def build_model(
@@ -112,7 +61,7 @@ def build_model(
     )
     dims = ParallelDims.from_config(parallelism, world)
     with torch.device("meta"):
-        model = arch.titan_config().build()
+        model = titan_config(arch).build()
     if world > 1:
         dims.build_mesh()
         set_spmd_backend(SPMD_BACKEND)
@@ -140,7 +89,7 @@ def build_model(
 
 def load_weights(model: torch.nn.Module, arch: DecoderArch, hf_tensors: dict[str, torch.Tensor]) -> None:
     """Load full HF-named tensors (the same on every rank) into a possibly sharded model."""
-    state = arch.state_dict_adapter().from_hf(dict(hf_tensors))  # from_hf mutates its argument
+    state = state_dict_adapter(arch).from_hf(dict(hf_tensors))  # from_hf mutates its argument
     expected = set(model.state_dict())
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)

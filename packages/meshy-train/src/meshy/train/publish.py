@@ -41,6 +41,7 @@ from meshy.dataplane.weights import (
     unpack_buckets,
 )
 from meshy.train.models import DecoderArch
+from meshy.train.titan_models import state_dict_adapter
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _is_writer() -> bool:
 def full_hf_tensors(model: torch.nn.Module, arch: DecoderArch) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor where the model keeps it, in its dtype) pairs gathered one at a time. Every
     rank must iterate; only rank 0 gets data."""
-    adapter = arch.state_dict_adapter()
+    adapter = state_dict_adapter(arch)
     for name, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if _is_writer():
@@ -68,7 +69,7 @@ def hf_tensors(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) ->
 def hf_specs(model: torch.nn.Module, arch: DecoderArch, dtype: torch.dtype) -> list[TensorSpec]:
     """(HF name, `dtype`, shape) of every tensor full_hf_tensors yields, in order, without moving data."""
     shapes = {name: torch.empty(value.shape, device="meta") for name, value in model.state_dict().items()}
-    return [(name, dtype, tuple(t.shape)) for name, t in arch.state_dict_adapter().to_hf(shapes).items()]
+    return [(name, dtype, tuple(t.shape)) for name, t in state_dict_adapter(arch).to_hf(shapes).items()]
 
 
 def pack_version(

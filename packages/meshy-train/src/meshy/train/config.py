@@ -1,0 +1,108 @@
+"""The training side's configs, as a recipe declares them: plain dataclasses checked when built, importable
+without torch or torchtitan (a recipe is validated by processes that never train)."""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from meshy.dataplane.errors import SchemaError
+from meshy.dataplane.fields import check_fields
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the training role splits its model. dp_shard=-1 takes every rank left after the others."""
+
+    dp_shard: int = -1
+    dp_replicate: int = 1
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("dp_replicate", "tp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise SchemaError(f"ParallelConfig.{name}: expected a degree >= 1, got {getattr(self, name)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise SchemaError(f"ParallelConfig.dp_shard: expected -1 or a degree >= 1, got {self.dp_shard}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 0 < self.lr < math.inf or not self.max_grad_norm > 0 or self.warmup_steps < 0:
+            raise SchemaError(f"OptimConfig: lr and max_grad_norm must be > 0 and warmup_steps >= 0, got {self}")
+        # AdamW's own checks, here rather than when a role builds its optimizer.
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise SchemaError(f"OptimConfig.betas: expected two values in [0, 1), got {self.betas}")
+        for name in ("eps", "weight_decay"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise SchemaError(f"OptimConfig.{name}: expected a finite value >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which loss parts a policy step uses.
+
+    pg_coef: token-level policy gradient with asymmetric PPO clip [1 - clip_low, 1 + clip_high].
+    dual_clip: 0 (off) or c > 1: a negative advantage's token loss is capped at -A * c (dual-clip PPO), so a
+        token whose ratio ran away cannot dominate a step.
+    tis: truncated importance sampling against the rollout engine's logprobs ("truncate" clamps the
+        per-token ratio to [tis_low, tis_high]; "mask" is IcePop: tokens outside get weight 0).
+    kl_coef: k3 KL to a reference policy (needs ref_logprobs). entropy_coef: entropy bonus.
+    distill_coef: forward KL to a teacher's top-k (online policy distillation).
+    entropy_metric_tokens: how many trained tokens per rank the entropy metric samples (0: all); the
+        entropy bonus, when entropy_coef is set, always uses every token.
+    """
+
+    pg_coef: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 0.0
+    aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    tis: Literal["none", "truncate", "mask"] = "truncate"
+    tis_low: float = 0.5
+    tis_high: float = 5.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    distill_coef: float = 0.0
+    temperature: float = 1.0
+    entropy_metric_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("pg_coef", "kl_coef", "distill_coef"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise SchemaError(f"LossConfig.{name}: expected a finite value >= 0, got {getattr(self, name)}")
+        if not math.isfinite(self.entropy_coef):
+            raise SchemaError(f"LossConfig.entropy_coef: expected a finite value, got {self.entropy_coef}")
+        if self.pg_coef == 0 and self.distill_coef == 0:
+            raise SchemaError("LossConfig: pg_coef and distill_coef are both 0; the loss would be empty")
+        if not 0 < self.temperature < math.inf:
+            raise SchemaError(f"LossConfig.temperature: expected a finite value > 0, got {self.temperature}")
+        # The ranges ppo_clip_loss and importance_weights check, here rather than at the first step.
+        if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
+            raise SchemaError(
+                f"LossConfig.clip_low, clip_high: expected 0 <= clip_low < 1 and clip_high >= 0, "
+                f"got {self.clip_low}, {self.clip_high}"
+            )
+        if not (self.dual_clip == 0 or 1 < self.dual_clip < math.inf):
+            raise SchemaError(f"LossConfig.dual_clip: expected 0 (off) or a finite value > 1, got {self.dual_clip}")
+        if not 0 < self.tis_low <= 1 <= self.tis_high:
+            raise SchemaError(
+                "LossConfig.tis_low, tis_high: expected 0 < tis_low <= 1 <= tis_high, "
+                f"got {self.tis_low}, {self.tis_high}"
+            )
+        if self.entropy_metric_tokens < 0:
+            raise SchemaError(f"LossConfig.entropy_metric_tokens: expected >= 0, got {self.entropy_metric_tokens}")
