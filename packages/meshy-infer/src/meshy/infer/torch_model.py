@@ -1,9 +1,13 @@
 """A pure-torch decoder with the Hugging Face forward of LlamaForCausalLM, Qwen3ForCausalLM and
 Qwen3MoeForCausalLM, and a slot-based KV cache for batched decoding.
 
-Modules are named as in HF, so the state dict's keys are exactly the checkpoint's tensor names. Qwen3
-is Llama with RMSNorm over head_dim on q and k before RoPE; Qwen3-MoE replaces every MLP by a routed
-mixture of SwiGLU experts. RoPE is the default rotate-half kind (no scaling).
+Qwen3 is Llama with RMSNorm over head_dim on q and k before RoPE; Qwen3-MoE replaces every MLP by a
+routed mixture of SwiGLU experts. RoPE is the default rotate-half kind (no scaling).
+
+A decode step is bound by how many ops it launches, not by arithmetic (per-op dispatch on a CPU, kernel
+launches on a GPU, even inside a CUDA graph), so each layer launches few: q, k and v are one projection,
+and gate and up another (their weights stacked by rows, each HF tensor a view of its rows), and RoPE is
+two multiplies and a roll. `hf_parameters` names every parameter, or rows of one, by its HF tensor name.
 """
 
 from collections.abc import Mapping, Sequence
@@ -166,17 +170,18 @@ _Step = _Causal | _Prefill | _Decode
 
 
 def _rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [batch, seq, 1, head_dim] in float32 (rotate-half layout: frequencies repeated)."""
+    """cos and signed sin [batch, seq, 1, head_dim] in float32 (rotate-half layout: frequencies repeated;
+    the sin of the first half negated, so that rotate_half(x) * sin == roll(x, half) * signed sin)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
     angles = positions[..., None].float() * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    return torch.cat([angles, angles], dim=-1).cos()[:, :, None, :], torch.cat([-sin, sin], dim=-1)[:, :, None, :]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in float32: x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1]."""
     x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    return (x32 * cos + torch.cat([-second, first], dim=-1) * sin).type_as(x)
+    return torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), signed_sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -187,18 +192,15 @@ class Attention(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         d, h = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(d, self.heads * h, bias=False)
-        self.k_proj = nn.Linear(d, self.kv_heads * h, bias=False)
-        self.v_proj = nn.Linear(d, self.kv_heads * h, bias=False)
+        self.qkv_proj = nn.Linear(d, (self.heads + 2 * self.kv_heads) * h, bias=False)  # q, k, v rows stacked
         self.o_proj = nn.Linear(self.heads * h, d, bias=False)
         self.q_norm = nn.RMSNorm(h, eps=config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(h, eps=config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: _Step) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(batch, length, self.heads + 2 * self.kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
@@ -207,16 +209,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # gate, up rows stacked
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MixtureOfExperts(nn.Module):
@@ -339,10 +341,30 @@ class DecoderModel(nn.Module):
         hidden, routed = self.hidden(tokens[:, None], positions[:, None], _Decode(cache, positions, span))
         return hidden[:, 0], _stack_layers([chosen[:, 0] for chosen in routed])
 
+    def hf_parameters(self) -> dict[str, torch.Tensor]:
+        """Every weight by its HF tensor name: a parameter, or the rows of a stacked one (views: writing
+        to them writes the model)."""
+        named = {}
+        for name, param in self.state_dict().items():
+            prefix, _, leaf = name.rpartition(".")
+            module = prefix.rpartition(".")[2]
+            if module == "qkv_proj":
+                heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+                sizes = [n * self.config.head_dim for n in (heads, kv_heads, kv_heads)]
+                parts = zip(("q_proj", "k_proj", "v_proj"), param.split(sizes), strict=True)
+            elif module == "gate_up_proj":
+                parts = zip(("gate_proj", "up_proj"), param.chunk(2), strict=True)
+            else:
+                named[name] = param
+                continue
+            stem = prefix.rpartition(".")[0]
+            named.update({f"{stem}.{part}.{leaf}": rows for part, rows in parts})
+        return named
+
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in (converted to the model's dtype and device). Every name and shape is
         checked first, so a set that does not fit changes nothing."""
-        params = self.state_dict()
+        params = self.hf_parameters()
         shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
         if self.lm_head is None:
             shapes.pop(LM_HEAD, None)  # some tied checkpoints store it anyway; HF ignores it too
