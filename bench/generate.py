@@ -1,12 +1,14 @@
 """TorchEngine against Hugging Face `transformers` generate, in one run, on this machine.
 
-    uv run python bench/generate.py [--requests 64] [--batch 16] [--prompt 32] [--response 128]
+    uv run python bench/generate.py [--requests 64] [--batch 16] [--prompt 32] [--response 128] [--compile]
     python bench/generate.py --device cuda --dtype bfloat16 --models qwen3-0.6b --requests 256 --batch 128
 
 Both load the same published HF directory (random weights in `--dtype`, EOS disabled so every request
 runs to its own budget) and sample with temperature 1, no top-k/top-p, on `--device`. Each model gets
 `--requests` prompts with at most `--batch` generating at once: HF `generate` takes them in static batches of `--batch`
-(left-padded), TorchEngine takes them all and keeps `--batch` running (continuous batching).
+(left-padded), TorchEngine takes them all and keeps `--batch` running (continuous batching). With
+`--compile` a second TorchEngine whose forward and sampler go through torch.compile runs beside the first
+(its compilation happens in the warm-up, not timed).
 
 - equal: every prompt `--prompt` tokens, every response `--response` tokens.
 - mixed: prompt lengths spread over [prompt/4, prompt], response budgets over [response/8, response].
@@ -144,19 +146,25 @@ def sampler_ms(arch: DecoderArch, args: argparse.Namespace, reps: int = 20) -> f
 
 
 def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]:
+    """Per workload: (model, lengths, tokens, HF tok/s, and for each engine: its tok/s, its speedup over HF,
+    its time per decode step on equal lengths)."""
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[args.dtype]).to(args.device).eval()
     hf.generation_config.eos_token_id = None
-    engine = TorchEngine(
-        directory,
-        max_running=args.batch,
-        max_len=args.prompt + args.response,
-        device=args.device,
-        dtype=args.dtype,
-    )
+    engines = [
+        TorchEngine(
+            directory,
+            max_running=args.batch,
+            max_len=args.prompt + args.response,
+            device=args.device,
+            dtype=args.dtype,
+            compile=compiled,
+        )
+        for compiled in ([False, True] if args.compile else [False])
+    ]
     loop = asyncio.new_event_loop()
     rows = []
 
-    def on_engine(requests: list[tuple[list[int], int]]) -> None:
+    def on_engine(engine: TorchEngine, requests: list[tuple[list[int], int]]) -> None:
         loop.run_until_complete(run_engine(engine, requests))
 
     try:
@@ -164,22 +172,27 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]
             requests = workload(kind, args, hf.config.vocab_size)
             tokens = sum(n for _, n in requests)
             run_hf(hf, requests[: args.batch], args.batch)  # warm-up: allocations, first-call dispatch
-            on_engine(requests[: args.batch])
-            hf_s, engine_s = [], []
-            for _ in range(args.repeats):  # alternated, so both see the machine in the same state
+            for engine in engines:  # and compilation: every decode shape of the workload's first batch
+                on_engine(engine, requests[: args.batch])
+            hf_s, engine_s = [], [[] for _ in engines]
+            for _ in range(args.repeats):  # alternated, so all see the machine in the same state
                 hf_s.append(seconds(partial(run_hf, hf, requests, args.batch)))
-                engine_s.append(seconds(partial(on_engine, requests)))
-            hf_median, engine_median = statistics.median(hf_s), statistics.median(engine_s)
+                for engine, times in zip(engines, engine_s, strict=True):
+                    times.append(seconds(partial(on_engine, engine, requests)))
+            hf_median = statistics.median(hf_s)
             steps = -(-len(requests) // args.batch) * args.response  # full-batch decode steps (equal lengths)
-            step = engine_median / steps if kind == "equal" else None
-            rows.append(
-                (name, kind, tokens, tokens / hf_median, tokens / engine_median, hf_median / engine_median, step)
-            )
-        if args.device != "cpu":
-            print(f"{name}: decode CUDA graphs {engine.cuda_graphs}", flush=True)
+            row = [name, kind, tokens, tokens / hf_median]
+            for times in engine_s:
+                median = statistics.median(times)
+                row += [tokens / median, hf_median / median, median / steps if kind == "equal" else None]
+            rows.append(tuple(row))
+        for engine in engines:
+            if args.device != "cpu":
+                print(f"{name}: decode CUDA graphs {engine.cuda_graphs}", flush=True)
         print(f"{name}: sampling a batch of {args.batch} takes {sampler_ms(MODELS[name], args):.2f} ms", flush=True)
     finally:
-        loop.run_until_complete(engine.close())
+        for engine in engines:
+            loop.run_until_complete(engine.close())
         loop.close()
     return rows
 
@@ -195,6 +208,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--bandwidth", type=float, default=4.8, help="device memory bandwidth, TB/s (H200: 4.8)")
+    parser.add_argument("--compile", action="store_true", help="also a TorchEngine with compile=True")
     args = parser.parse_args()
     rows, bounds = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,15 +221,16 @@ def main() -> None:
         f"response <= {args.response}, {args.dtype}, {args.device} ({where}), "
         f"median of {args.repeats} alternated runs per side\n"
     )
-    print("| model | lengths | tokens | HF tok/s | TorchEngine tok/s | speedup | decode step | bound |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, kind, tokens, hf_rate, engine_rate, speedup, step in rows:
-        step_text = f"{step * 1e3:.2f} ms" if step is not None else "-"
-        bound_text = f"{bounds[name] * 1e3:.2f} ms" if step is not None else "-"
-        print(
-            f"| {name} | {kind} | {tokens} | {hf_rate:.0f} | {engine_rate:.0f} | {speedup:.2f}x | {step_text} "
-            f"| {bound_text} |"
-        )
+    sides = ["TorchEngine"] + (["compiled"] if args.compile else [])
+    head = "".join(f" {side} tok/s | speedup | decode step |" for side in sides)
+    print(f"| model | lengths | tokens | HF tok/s |{head} bound |")
+    print("|---|---|---|---|" + "---|---|---|" * len(sides) + "---|")
+    for name, kind, tokens, hf_rate, *engines in rows:
+        cells = ""
+        for rate, speedup, step in zip(engines[::3], engines[1::3], engines[2::3], strict=True):
+            cells += f" {rate:.0f} | {speedup:.2f}x | {f'{step * 1e3:.2f} ms' if step is not None else '-'} |"
+        bound_text = f"{bounds[name] * 1e3:.2f} ms" if kind == "equal" else "-"
+        print(f"| {name} | {kind} | {tokens} | {hf_rate:.0f} |{cells} {bound_text} |")
 
 
 if __name__ == "__main__":

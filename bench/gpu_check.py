@@ -7,7 +7,8 @@ Stages, in order, each a subprocess with its own timeout (cut to what is left of
 fails or runs out of time is reported and the next one runs):
   imports           the four packages import; torch, CUDA, the device
   gpu-tests         `pytest -m gpu`: parity per dtype, memory returned by release/offload, conformance
-  generate          bench/generate.py: TorchEngine vs transformers `generate`, decode step vs bound
+  generate          bench/generate.py: TorchEngine (eager and compiled) vs transformers `generate`, decode
+                    step vs bound
   train-step        bench/train_step.py: tokens/s and MFU of qwen3-0.6b, bfloat16, checkpointing
   default-colocated the default recipe, training and inference colocated on the GPU (token ring)
   ring-0.6b         a qwen3-0.6b-shaped run through the ring: bfloat16, activation checkpointing,
@@ -126,7 +127,7 @@ def stages(args: argparse.Namespace) -> list[Stage]:
     generate = ["--models", "qwen3-tiny", "--requests", "8", "--batch", "4", "--response", "8", "--repeats", "1"]
     if gpu:
         generate = ["--models", "qwen3-0.6b", "--requests", "256", "--batch", "128", "--prompt", "32"]
-        generate += ["--response", "128", "--repeats", "2"]
+        generate += ["--response", "128", "--repeats", "2", "--compile"]
     train = ["--activation-checkpoint", "full", "--skip-publish", "--model", "qwen3-tiny", "--groups", "1"]
     train += ["--response", "32", "--steps", "2"]
     if gpu:
@@ -155,7 +156,7 @@ def stages(args: argparse.Namespace) -> list[Stage]:
         ),
         Stage(
             "generate",
-            150,
+            240,
             lambda scratch: [
                 [bench[0], f"{bench[1]}/generate.py", "--device", device, "--dtype", "bfloat16", *generate]
             ],

@@ -392,3 +392,24 @@ def test_admitted_prompts_are_prefilled_in_runs_of_at_most_prefill_tokens_padded
     chunks = _prefill_chunks([big, mid, 100, over, 10, 10], lambda n: n)
     assert chunks == [[big], [mid, 100], [over], [10, 10]]
     assert all(max(c) * len(c) <= PREFILL_TOKENS for c in chunks if len(c) > 1)
+
+
+@pytest.mark.slow  # compiling the prefill, decode and sampler takes about a minute on 2 cores
+@async_case
+async def test_a_compiled_engine_generates_and_scores_what_the_eager_one_does(weights):
+    config, tensors, _ = weights
+    eager = TorchEngine((config, tensors), max_running=8, max_len=MAX_LEN)
+    compiled = TorchEngine((config, tensors), max_running=8, max_len=MAX_LEN, compile=True)
+    requests = [
+        (prompt(40 + i)[: 5 + 3 * i], SamplingParams(12 + 5 * i, seed=i, top_k=50 if i % 2 else 0)) for i in range(6)
+    ]
+    runs = []
+    for engine in (eager, compiled):  # continuous batching: the six finish at different steps
+        runs.append(await asyncio.gather(*(engine.generate(f"r{i}", ids, p) for i, (ids, p) in enumerate(requests))))
+    for slow, fast in zip(*runs, strict=True):
+        assert fast.output_ids == slow.output_ids and fast.finish_reason == slow.finish_reason
+        assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
+    tokens = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(6))
+    assert (await scores(compiled, tokens) - await scores(eager, tokens)).abs().max().item() <= 1e-5
+    for engine in (eager, compiled):
+        await engine.close()

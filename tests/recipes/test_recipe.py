@@ -105,6 +105,14 @@ def test_the_embedded_default_loads_and_resolves():
         ),
         (lambda t: t.replace("max_new_tokens = 3", "max_new_tokens = 0"), "max_new_tokens, max_in_flight >= 1"),
         (
+            lambda t: t.replace("max_in_flight = 256", 'max_in_flight = 256\nengine = "sglang"\ncompile = true'),
+            'sampling.compile: applies to the torch engine, and sampling.engine is "sglang"',
+        ),
+        (
+            lambda t: t.replace("max_in_flight = 256", "max_in_flight = 256\ncompile = 1"),
+            "SamplingSpec.compile: expected bool, got int 1",
+        ),
+        (
             lambda t: t.replace("pacing = 1", "pacing = 1\nrouting_replay = true"),
             "algorithm.routing_replay: model 'qwen3-tiny' is dense (num_experts = 0); routing replay needs a "
             "mixture-of-experts model",

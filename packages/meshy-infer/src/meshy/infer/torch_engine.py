@@ -125,8 +125,13 @@ class _Scheduler:
         device: torch.device,
         dtype: torch.dtype,
         version: int,
+        compile: bool,
     ):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.sample = sampling.sample
+        if compile:
+            model.compile_forward()
+            self.sample = torch.compile(sampling.sample, dynamic=True)
         self.max_running, self.max_len = max_running, max_len
         self.version = version
         self.graphs = device.type == "cuda" and not config.moe  # routing reads expert ids on the host
@@ -283,7 +288,7 @@ class _Scheduler:
         """Sample each request's next token from its logits row; `routing` [requests, layers, top_k] holds
         the experts a mixture chose for those rows (None if dense). Token, logprob and expert ids come
         to the host in one copy, the step's one wait on the device."""
-        chosen, logprobs = sampling.sample(logits, rows)
+        chosen, logprobs = self.sample(logits, rows)
         columns = [chosen.double()[:, None], logprobs.double()[:, None]]
         if routing is not None:  # expert ids are small integers: exact in float64
             columns.append(routing.flatten(1).double())
@@ -381,6 +386,10 @@ class TorchEngine(Engine):
     """The reference engine: continuous batching over `max_running` cache slots of `max_len` tokens
     each (prompt + output), on `device` in `dtype` ("float32", "bfloat16" or "float16").
 
+    compile: the model's forward and the sampler go through torch.compile (DecoderModel.compile_forward), a
+    few fused kernels per layer and per draw instead of dozens; on CUDA the compiled decode is what the
+    decode graphs replay. Each kind of step compiles on its first use (seconds to a minute).
+
     `source` is a ModelSource; `version` is its weights version (by default a Published's own, else 0).
     `release` drops the KV cache and, on an accelerator, moves the weights to host memory; running
     requests keep their slots and their caches are recomputed by `onload`.
@@ -395,6 +404,7 @@ class TorchEngine(Engine):
         device: str | torch.device = "cpu",
         dtype: str = "float32",
         version: int | None = None,
+        compile: bool = False,
     ):
         if max_running < 1:
             raise SchemaError(f"TorchEngine max_running: expected >= 1, got {max_running}")
@@ -409,7 +419,7 @@ class TorchEngine(Engine):
             version = source.version if isinstance(source, Published) else 0
         device = torch.device(device)
         model = load_model(self.config, tensors, device, DTYPES[dtype])
-        self._scheduler = _Scheduler(model, self.config, max_running, max_len, device, DTYPES[dtype], version)
+        self._scheduler = _Scheduler(model, self.config, max_running, max_len, device, DTYPES[dtype], version, compile)
         self._inbox: queue.SimpleQueue[_Request | _Call] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopped: str | None = None  # why no command will be run any more

@@ -38,4 +38,5 @@ def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False, 
         device=ctx.slot.device,
         dtype=dtype,
         version=version,
+        compile=sampling.compile,
     )

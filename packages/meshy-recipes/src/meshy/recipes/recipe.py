@@ -302,11 +302,14 @@ class SamplingSpec:
     max_in_flight: int = 64
     context_length: int = 512
     engine: Literal["torch", "sglang"] = "torch"
+    compile: bool = False  # the torch engine's forward through torch.compile (SGLang compiles its own)
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.max_new_tokens < 1 or self.max_in_flight < 1 or self.context_length <= self.max_new_tokens:
             raise SchemaError(f"max_new_tokens, max_in_flight >= 1 and context_length > max_new_tokens: {self}")
+        if self.compile and self.engine != "torch":
+            raise SchemaError(f'sampling.compile: applies to the torch engine, and sampling.engine is "{self.engine}"')
         SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.top_k)  # the engines' own checks
 
 
