@@ -46,10 +46,10 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
             "imports",
             "gpu-tests",
             "generate",
+            "async-speedup",
             "train-step",
             "default-colocated",
             "ring-0.6b",
-            "async-speedup",
             "routing-replay",
             "weight-sync",
         )
