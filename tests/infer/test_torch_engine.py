@@ -1,4 +1,8 @@
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -413,3 +417,36 @@ async def test_a_compiled_engine_generates_and_scores_what_the_eager_one_does(we
     assert (await scores(compiled, tokens) - await scores(eager, tokens)).abs().max().item() <= 1e-5
     for engine in (eager, compiled):
         await engine.close()
+
+
+COMPILE_WITHOUT_CXX = """
+import asyncio, json, torch
+from meshy.infer.engine import SamplingParams
+from meshy.infer.torch_engine import TorchEngine
+from tests.infer.test_torch_engine import ARCH, MAX_LEN, prompt, sharp_weights
+
+async def main():
+    weights = (ARCH.hf_config("float32"), sharp_weights(0))
+    eager, compiled = TorchEngine(weights, max_len=MAX_LEN), TorchEngine(weights, max_len=MAX_LEN, compile=True)
+    runs = [await e.generate("a", prompt(50), SamplingParams(9, seed=3)) for e in (eager, compiled)]
+    print(json.dumps([[r.output_ids, r.logprobs] for r in runs] + [compiled.compile_failures]))
+    for e in (eager, compiled):
+        await e.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_on_a_host_without_a_cxx_compiler_runs_eagerly_and_says_why(tmp_path):
+    """A CPU host without g++ (a laptop): inductor finds no compiler (CXX names none that exists)."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_WITHOUT_CXX], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (eager_ids, eager_logprobs), (ids, logprobs), failures = json.loads(result.stdout.splitlines()[-1])
+    assert ids == eager_ids and logprobs == pytest.approx(eager_logprobs, abs=1e-6)
+    assert {f.split(" failed")[0] for f in failures} == {"torch.compile of hidden", "torch.compile of sample"}
+    assert all("no-such-compiler" in f for f in failures), failures

@@ -102,6 +102,26 @@ def decode_shape(slots: Sequence[int], positions: Sequence[int], max_running: in
     return batch, min(max_len, -(-needed // step) * step)
 
 
+class _CompiledOrEager:
+    """`fn` through torch.compile (shapes dynamic: each kind of call compiles once, seconds to a minute),
+    until compiling fails (a CPU host without a C++ compiler, an op the compiler cannot lower): then `fn`
+    itself for good, and `failures` says why. A compile error is raised before anything ran, so the
+    eager call that follows does the work once."""
+
+    def __init__(self, fn: Callable, failures: list[str]):
+        self.fn, self.compiled, self.failures = fn, torch.compile(fn, dynamic=True), failures
+
+    def __call__(self, *args: object) -> object:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                self.compiled = None
+                self.failures.append(f"torch.compile of {self.fn.__name__} failed, running it eagerly: {e!r}")
+                log.warning(self.failures[-1])
+        return self.fn(*args)
+
+
 def _int64_seed(seed: int) -> int:
     """A seed as the int64 with the same low 64 bits (the sampler hashes 64 bits of it)."""
     seed %= 1 << 64
@@ -129,9 +149,10 @@ class _Scheduler:
     ):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.sample = sampling.sample
-        if compile:
-            model.compile_forward()
-            self.sample = torch.compile(sampling.sample, dynamic=True)
+        self.compile_failures: list[str] = []
+        if compile:  # the forward (a mixture's routing breaks its graph: it reads expert ids on the host)
+            model.hidden = _CompiledOrEager(model.hidden, self.compile_failures)
+            self.sample = _CompiledOrEager(sampling.sample, self.compile_failures)
         self.max_running, self.max_len = max_running, max_len
         self.version = version
         self.graphs = device.type == "cuda" and not config.moe  # routing reads expert ids on the host
@@ -386,9 +407,10 @@ class TorchEngine(Engine):
     """The reference engine: continuous batching over `max_running` cache slots of `max_len` tokens
     each (prompt + output), on `device` in `dtype` ("float32", "bfloat16" or "float16").
 
-    compile: the model's forward and the sampler go through torch.compile (DecoderModel.compile_forward), a
-    few fused kernels per layer and per draw instead of dozens; on CUDA the compiled decode is what the
-    decode graphs replay. Each kind of step compiles on its first use (seconds to a minute).
+    compile: the model's forward and the sampler go through torch.compile, a few fused kernels per layer
+    and per draw instead of dozens; on CUDA the compiled decode is what the decode graphs replay. Each kind
+    of step compiles on its first use (seconds to a minute); if compiling fails, the engine runs eagerly
+    and `compile_failures` says why.
 
     `source` is a ModelSource; `version` is its weights version (by default a Published's own, else 0).
     `release` drops the KV cache and, on an accelerator, moves the weights to host memory; running
@@ -441,6 +463,11 @@ class TorchEngine(Engine):
         """How decode runs: the (batch, span) shapes captured as CUDA graphs so far, and why decoding is
         eager if capture failed (None otherwise)."""
         return {"shapes": sorted(self._scheduler.captured), "failure": self._scheduler.graph_failure}
+
+    @property
+    def compile_failures(self) -> list[str]:
+        """Why parts of a compile=True engine run eagerly (empty: everything compiled, or compile=False)."""
+        return list(self._scheduler.compile_failures)
 
     # ---- the public coroutines ----
 

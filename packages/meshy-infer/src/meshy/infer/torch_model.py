@@ -308,12 +308,6 @@ class DecoderModel(nn.Module):
                 routed.append(chosen)
         return self.model.norm(x), routed
 
-    def compile_forward(self) -> None:
-        """Compile `hidden` with torch.compile (shapes dynamic): each layer's elementwise ops fused into a few
-        kernels. The first step of each kind (prefill, decode, score) compiles, seconds to a minute; a
-        mixture's layers break the compiled graph where routing reads expert ids on the host."""
-        self.hidden = torch.compile(self.hidden, dynamic=True)
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, head).float()
