@@ -365,6 +365,28 @@ async def test_cuda_engine_matches_cpu_replays_graphs_and_release_returns_its_me
         await engine.close()
 
 
+@pytest.mark.gpu
+@cuda
+@async_case
+async def test_a_compiled_cuda_engine_replays_compiled_decode_graphs_and_generates_what_the_eager_one_does(weights):
+    config, tensors, _ = weights
+    eager = TorchEngine((config, tensors), max_running=8, max_len=MAX_LEN, device="cuda")
+    compiled = TorchEngine((config, tensors), max_running=8, max_len=MAX_LEN, device="cuda", compile=True)
+    requests = [(prompt(60 + i)[: 4 + 3 * i], SamplingParams(10 + 6 * i, seed=i)) for i in range(6)]
+    runs = []
+    for engine in (eager, compiled):
+        runs.append(await asyncio.gather(*(engine.generate(f"r{i}", ids, p) for i, (ids, p) in enumerate(requests))))
+    for slow, fast in zip(*runs, strict=True):
+        assert fast.output_ids == slow.output_ids and fast.logprobs == pytest.approx(slow.logprobs, abs=1e-4)
+    assert compiled.compile_failures == []
+    assert compiled.cuda_graphs["failure"] is None and compiled.cuda_graphs["shapes"]
+    half = TorchEngine((config, tensors), device="cuda", dtype="bfloat16", compile=True)
+    assert 1 <= len((await half.generate("h", prompt(70), greedy(12))).output_ids) <= 12
+    assert half.compile_failures == []
+    for engine in (eager, compiled, half):
+        await engine.close()
+
+
 def test_a_batched_prefill_of_uneven_prompts_matches_the_full_forward_and_decodes_on(weights):
     """Prompts of different lengths prefilled in one padded forward give each one's own logits; the
     padding left in the cache and an idle slot in the decode batch never reach a later decode step."""
