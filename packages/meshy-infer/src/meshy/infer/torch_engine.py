@@ -145,7 +145,7 @@ class _Scheduler:
         device: torch.device,
         dtype: torch.dtype,
         version: int,
-        compile: bool,
+        compile: bool = False,
     ):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.sample = sampling.sample
