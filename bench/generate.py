@@ -145,9 +145,48 @@ def sampler_ms(arch: DecoderArch, args: argparse.Namespace, reps: int = 20) -> f
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]:
-    """Per workload: (model, lengths, tokens, HF tok/s, and for each engine: its tok/s, its speedup over HF,
-    its time per decode step on equal lengths)."""
+def profile(fn: Callable[[], object], device: str) -> None:
+    """Run `fn` under torch.profiler and print its costliest ops (on the device, then on the host)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device != "cpu":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:  # the engine's ops run in its worker thread
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch: the host ops of the worker thread are not listed
+        config = None
+    with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
+        fn()
+    averages = prof.key_averages()
+    keys = (["self_device_time_total"] if device != "cpu" else []) + ["self_cpu_time_total"]
+    for key in keys:
+        print(averages.table(sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
+
+
+def print_header(args: argparse.Namespace) -> None:
+    where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
+    print(
+        f"\nTorchEngine vs HF generate: {args.requests} requests, batch {args.batch}, prompt <= {args.prompt}, "
+        f"response <= {args.response}, {args.dtype}, {args.device} ({where}), "
+        f"median of {args.repeats} alternated runs per side\n"
+    )
+    sides = ["TorchEngine"] + (["compiled"] if args.compile else [])
+    head = "".join(f" {side} tok/s | speedup | decode step |" for side in sides)
+    print(f"| model | lengths | tokens | HF tok/s |{head} bound |")
+    print("|---|---|---|---|" + "---|---|---|" * len(sides) + "---|", flush=True)
+
+
+def print_row(name: str, kind: str, tokens: int, hf_rate: float, *engines: float | None, bound: float | None) -> None:
+    """One table row, printed as soon as it is measured (a run cut short still reports what it did)."""
+    cells = ""
+    for rate, speedup, step in zip(engines[::3], engines[1::3], engines[2::3], strict=True):
+        cells += f" {rate:.0f} | {speedup:.2f}x | {f'{step * 1e3:.2f} ms' if step is not None else '-'} |"
+    bound_text = f"{bound * 1e3:.2f} ms" if bound is not None else "-"
+    print(f"| {name} | {kind} | {tokens} | {hf_rate:.0f} |{cells} {bound_text} |", flush=True)
+
+
+def compare(name: str, directory: Path, args: argparse.Namespace) -> None:
+    """Print a row per workload: model, lengths, tokens, HF tok/s, and for each engine its tok/s, its
+    speedup over HF and its time per decode step on equal lengths."""
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[args.dtype]).to(args.device).eval()
     hf.generation_config.eos_token_id = None
     engines = [
@@ -162,7 +201,6 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]
         for compiled in ([False, True] if args.compile else [False])
     ]
     loop = asyncio.new_event_loop()
-    rows = []
 
     def on_engine(engine: TorchEngine, requests: list[tuple[list[int], int]]) -> None:
         loop.run_until_complete(run_engine(engine, requests))
@@ -172,8 +210,8 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]
             requests = workload(kind, args, hf.config.vocab_size)
             tokens = sum(n for _, n in requests)
             run_hf(hf, requests[: args.batch], args.batch)  # warm-up: allocations, first-call dispatch
-            for engine in engines:  # and compilation: every decode shape of the workload's first batch
-                on_engine(engine, requests[: args.batch])
+            for engine in engines:  # and compilation and graph capture: every shape the workload runs
+                on_engine(engine, requests)
             hf_s, engine_s = [], [[] for _ in engines]
             for _ in range(args.repeats):  # alternated, so all see the machine in the same state
                 hf_s.append(seconds(partial(run_hf, hf, requests, args.batch)))
@@ -185,7 +223,11 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]
             for times in engine_s:
                 median = statistics.median(times)
                 row += [tokens / median, hf_median / median, median / steps if kind == "equal" else None]
-            rows.append(tuple(row))
+            print_row(*row, bound=step_bound_s(MODELS[name], args) if kind == "equal" else None)
+            if args.profile and kind == "mixed":  # where the engine's lead is smallest
+                for engine, label in zip(engines, ["TorchEngine", "compiled"], strict=False):
+                    print(f"{name} {kind}, {label}: the ops that took the most time", flush=True)
+                    profile(partial(on_engine, engine, requests), args.device)
         for engine in engines:
             if args.device != "cpu":
                 print(f"{name}: decode CUDA graphs {engine.cuda_graphs}", flush=True)
@@ -194,7 +236,6 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> list[tuple]
         for engine in engines:
             loop.run_until_complete(engine.close())
         loop.close()
-    return rows
 
 
 def main() -> None:
@@ -209,28 +250,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--bandwidth", type=float, default=4.8, help="device memory bandwidth, TB/s (H200: 4.8)")
     parser.add_argument("--compile", action="store_true", help="also a TorchEngine with compile=True")
+    parser.add_argument("--profile", action="store_true", help="also profile each engine on mixed lengths")
     args = parser.parse_args()
-    rows, bounds = [], {}
+    print_header(args)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            rows += compare(name, publish(MODELS[name], Path(tmp) / name, args), args)
-            bounds[name] = step_bound_s(MODELS[name], args)
-    where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
-    print(
-        f"\nTorchEngine vs HF generate: {args.requests} requests, batch {args.batch}, prompt <= {args.prompt}, "
-        f"response <= {args.response}, {args.dtype}, {args.device} ({where}), "
-        f"median of {args.repeats} alternated runs per side\n"
-    )
-    sides = ["TorchEngine"] + (["compiled"] if args.compile else [])
-    head = "".join(f" {side} tok/s | speedup | decode step |" for side in sides)
-    print(f"| model | lengths | tokens | HF tok/s |{head} bound |")
-    print("|---|---|---|---|" + "---|---|---|" * len(sides) + "---|")
-    for name, kind, tokens, hf_rate, *engines in rows:
-        cells = ""
-        for rate, speedup, step in zip(engines[::3], engines[1::3], engines[2::3], strict=True):
-            cells += f" {rate:.0f} | {speedup:.2f}x | {f'{step * 1e3:.2f} ms' if step is not None else '-'} |"
-        bound_text = f"{bounds[name] * 1e3:.2f} ms" if kind == "equal" else "-"
-        print(f"| {name} | {kind} | {tokens} | {hf_rate:.0f} |{cells} {bound_text} |")
+            compare(name, publish(MODELS[name], Path(tmp) / name, args), args)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@ Stages, in order, each a subprocess with its own timeout (cut to what is left of
 fails or runs out of time is reported and the next one runs):
   imports           the four packages import; torch, CUDA, the device
   gpu-tests         `pytest -m gpu`: parity per dtype, memory returned by release/offload, conformance
-  generate          bench/generate.py: TorchEngine (eager and compiled) vs transformers `generate`, decode
-                    step vs bound
+  generate          bench/generate.py: TorchEngine vs transformers `generate`, decode step vs bound, and
+                    (on a GPU) where the time of mixed lengths goes (torch.profiler's costliest ops)
   async-speedup     bench/async_speedup.py: W=1 vs W=none with training and inference sharing the GPU
   train-step        bench/train_step.py: tokens/s and MFU of qwen3-0.6b, bfloat16: full activation
                     checkpointing, then selective checkpointing compiled
+  generate-compiled the generate stage again with a compiled TorchEngine beside the eager one (after the
+                    figures above: compiling at 0.6B size takes minutes on a fresh host)
   default-colocated the default recipe, training and inference colocated on the GPU (token ring)
   ring-0.6b         a qwen3-0.6b-shaped run through the ring: bfloat16, activation checkpointing,
                     release/onload at a real size (what each process still holds after releasing)
@@ -128,7 +130,7 @@ def stages(args: argparse.Namespace) -> list[Stage]:
     generate = ["--models", "qwen3-tiny", "--requests", "8", "--batch", "4", "--response", "8", "--repeats", "1"]
     if gpu:
         generate = ["--models", "qwen3-0.6b", "--requests", "256", "--batch", "128", "--prompt", "32"]
-        generate += ["--response", "128", "--repeats", "2", "--compile"]
+        generate += ["--response", "128", "--repeats", "2"]
     train = ["--skip-publish", "--model", "qwen3-tiny", "--groups", "1", "--response", "32", "--steps", "2"]
     if gpu:
         train = ["--skip-publish", "--model", "qwen3-0.6b", "--groups", "4", "--prompt", "64", "--response", "960"]
@@ -148,21 +150,34 @@ def stages(args: argparse.Namespace) -> list[Stage]:
         weights = ["--device", "cuda", "--models", "qwen3-0.6b", "--versions", "2"]
         weights += ["--transports", "disk", "shared-memory", "collective"]
     bench = [sys.executable, str(ROOT / "bench")]
+    profile = ["--profile"] if gpu else []
+    workers = ["-n", "4"] if gpu else []  # the gpu tests are mostly host-bound: several at once on a GPU host
     return [
         Stage("imports", 60, lambda scratch: [[sys.executable, "-c", imports]]),
         Stage(
             "gpu-tests",
             150,
             lambda scratch: [
-                [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(ROOT / "tests")]
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-m",
+                    "gpu",
+                    "-p",
+                    "no:cacheprovider",
+                    *workers,
+                    str(ROOT / "tests"),
+                ]
             ],
             pytest_figures,
         ),
         Stage(
             "generate",
-            240,
+            300,
             lambda scratch: [
-                [bench[0], f"{bench[1]}/generate.py", "--device", device, "--dtype", "bfloat16", *generate]
+                [bench[0], f"{bench[1]}/generate.py", "--device", device, "--dtype", "bfloat16", *generate, *profile]
             ],
         ),
         Stage("async-speedup", 240, lambda scratch: [[bench[0], f"{bench[1]}/async_speedup.py", *asynchronous]]),
@@ -175,7 +190,14 @@ def stages(args: argparse.Namespace) -> list[Stage]:
             ],
         ),
         Stage(
-            "default-colocated", 120, run_recipe(2 if cpu else 80, None, "float32", checkpointing=False), run_figures
+            "generate-compiled",
+            300,
+            lambda scratch: [
+                [bench[0], f"{bench[1]}/generate.py", "--device", device, "--dtype", "bfloat16", *generate, "--compile"]
+            ],
+        ),
+        Stage(
+            "default-colocated", 120, run_recipe(2 if cpu else 40, None, "float32", checkpointing=False), run_figures
         ),
         Stage(
             "ring-0.6b",
@@ -250,20 +272,29 @@ def write_summary(out: Path, results: list[Result], args: argparse.Namespace) ->
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
+def chosen(every: list[Stage], names: list[str] | None) -> list[Stage]:
+    """The stages named, in the order named (every stage, in order, when none is)."""
+    if not names:
+        return every
+    by_name = {stage.name: stage for stage in every}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise SystemExit(f"--stages: unknown {unknown}; expected some of {list(by_name)}")
+    return [by_name[name] for name in names]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu", action="store_true", help="the same stages on the CPU with tiny sizes")
     parser.add_argument("--budget", type=float, default=400.0, help="seconds for every stage together")
-    parser.add_argument("--stages", nargs="+", help="run only these stages")
+    parser.add_argument("--stages", nargs="+", help="run only these stages, in this order")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget
     results: list[Result] = []
     with open(args.out / "stages.log", "w") as log:
-        for stage in stages(args):
-            if args.stages and stage.name not in args.stages:
-                continue
+        for stage in chosen(stages(args), args.stages):
             left = deadline - time.monotonic()
             if left < 10:
                 results.append(Result(stage.name, False, 0.0, "skipped: the budget was spent"))

@@ -37,6 +37,19 @@ def test_a_spent_budget_skips_the_rest_and_fails_the_check(tmp_path):
     assert "| imports | NO | 0 | skipped: the budget was spent |" in markdown
 
 
+def test_stages_run_in_the_order_named_and_an_unknown_name_is_refused(tmp_path):
+    _, summary, _ = check(tmp_path, "--stages", "weight-sync", "imports", "--budget", "5", timeout=60)
+    assert [s["name"] for s in summary] == ["weight-sync", "imports"]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--out", str(tmp_path), "--stages", "imports", "tests"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "--stages: unknown ['tests']" in result.stderr and "'gpu-tests'" in result.stderr
+
+
 @pytest.mark.slow
 def test_every_stage_passes_on_the_cpu(tmp_path):
     code, summary, markdown = check(tmp_path, "--budget", "1500", timeout=1800)
@@ -48,6 +61,7 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
             "generate",
             "async-speedup",
             "train-step",
+            "generate-compiled",
             "default-colocated",
             "ring-0.6b",
             "routing-replay",

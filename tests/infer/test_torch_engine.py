@@ -420,9 +420,9 @@ def test_admitted_prompts_are_prefilled_in_runs_of_at_most_prefill_tokens_padded
     assert all(max(c) * len(c) <= PREFILL_TOKENS for c in chunks if len(c) > 1)
 
 
-@pytest.mark.slow  # compiling the prefill, decode and sampler takes about a minute on 2 cores
+@pytest.mark.slow  # compiling the decode and the sampler takes about a minute on 2 cores
 @async_case
-async def test_a_compiled_engine_generates_and_scores_what_the_eager_one_does(weights):
+async def test_a_compiled_engine_generates_what_the_eager_one_does(weights):
     config, tensors, _ = weights
     eager = TorchEngine((config, tensors), max_running=8, max_len=MAX_LEN)
     compiled = TorchEngine((config, tensors), max_running=8, max_len=MAX_LEN, compile=True)
@@ -435,8 +435,7 @@ async def test_a_compiled_engine_generates_and_scores_what_the_eager_one_does(we
     for slow, fast in zip(*runs, strict=True):
         assert fast.output_ids == slow.output_ids and fast.finish_reason == slow.finish_reason
         assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
-    tokens = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(6))
-    assert (await scores(compiled, tokens) - await scores(eager, tokens)).abs().max().item() <= 1e-5
+    assert compiled.compile_failures == []
     for engine in (eager, compiled):
         await engine.close()
 
@@ -470,5 +469,5 @@ def test_a_compiled_engine_on_a_host_without_a_cxx_compiler_runs_eagerly_and_say
     assert result.returncode == 0, result.stderr[-3000:]
     (eager_ids, eager_logprobs), (ids, logprobs), failures = json.loads(result.stdout.splitlines()[-1])
     assert ids == eager_ids and logprobs == pytest.approx(eager_logprobs, abs=1e-6)
-    assert {f.split(" failed")[0] for f in failures} == {"torch.compile of hidden", "torch.compile of sample"}
+    assert {f.split(" failed")[0] for f in failures} == {"torch.compile of decode", "torch.compile of sample"}
     assert all("no-such-compiler" in f for f in failures), failures

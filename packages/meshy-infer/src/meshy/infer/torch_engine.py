@@ -148,10 +148,10 @@ class _Scheduler:
         compile: bool = False,
     ):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
-        self.sample = sampling.sample
+        self.decode, self.sample = model.decode, sampling.sample
         self.compile_failures: list[str] = []
-        if compile:  # the forward (a mixture's routing breaks its graph: it reads expert ids on the host)
-            model.hidden = _CompiledOrEager(model.hidden, self.compile_failures)
+        if compile:  # a mixture's routing breaks the decode's graph: it reads expert ids on the host
+            self.decode = _CompiledOrEager(model.decode, self.compile_failures)
             self.sample = _CompiledOrEager(sampling.sample, self.compile_failures)
         self.max_running, self.max_len = max_running, max_len
         self.version = version
@@ -274,7 +274,7 @@ class _Scheduler:
         only), an eager forward elsewhere or if capture failed."""
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         if not self.graphs:
-            return self.model.decode(tokens, positions, self.cache, span)
+            return self.decode(tokens, positions, self.cache, span)
         key = (batch, span)
         if key not in self.captured:
             try:
@@ -283,7 +283,7 @@ class _Scheduler:
                 self.graphs, self.graph_failure = False, f"CUDA graph capture failed, decoding eagerly: {e!r}"
                 self.captured.clear()
                 log.warning(self.graph_failure)
-                return self.model.decode(tokens, positions, self.cache, span)
+                return self.decode(tokens, positions, self.cache, span)
         graph, hidden = self.captured[key]
         graph.replay()
         return hidden, None
@@ -296,11 +296,11 @@ class _Scheduler:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self.model.decode(tokens, positions, self.cache, span)
+            self.decode(tokens, positions, self.cache, span)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, _ = self.model.decode(tokens, positions, self.cache, span)
+            hidden, _ = self.decode(tokens, positions, self.cache, span)
         return graph, hidden
 
     def _emit(
@@ -407,10 +407,12 @@ class TorchEngine(Engine):
     """The reference engine: continuous batching over `max_running` cache slots of `max_len` tokens
     each (prompt + output), on `device` in `dtype` ("float32", "bfloat16" or "float16").
 
-    compile: the model's forward and the sampler go through torch.compile, a few fused kernels per layer
-    and per draw instead of dozens; on CUDA the compiled decode is what the decode graphs replay. Each kind
-    of step compiles on its first use (seconds to a minute); if compiling fails, the engine runs eagerly
-    and `compile_failures` says why.
+    compile: the decode step and the sampler go through torch.compile, a few fused kernels per layer and
+    per draw instead of dozens; on CUDA the compiled decode is what the decode graphs replay. Prefill
+    stays eager: its shapes change with every admission (batch and prompt length), each new one a
+    recompilation of the whole model, and its large matrix products gain little. Each kind of step
+    compiles on its first use (seconds to a minute); if compiling fails, the engine runs eagerly and
+    `compile_failures` says why.
 
     `source` is a ModelSource; `version` is its weights version (by default a Published's own, else 0).
     `release` drops the KV cache and, on an accelerator, moves the weights to host memory; running
