@@ -14,7 +14,7 @@ from meshy.dataplane.model_source import read_model
 from meshy.dataplane.weights import CorruptWeights, read_published
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
 from meshy.infer.torch_engine import TorchEngine
-from meshy.infer.torch_model import ModelConfig, load_model
+from meshy.infer.torch_model import DecoderModel, ModelConfig, load_model
 from meshy.train.config import ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
@@ -310,7 +310,7 @@ async def test_a_failing_worker_fails_pending_calls_instead_of_hanging(weights, 
     def broken(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine._scheduler.model, "decode", broken)
+    monkeypatch.setattr(engine._scheduler, "decode", broken)
     with pytest.raises(EngineClosed, match="worker failed: RuntimeError\\('device lost'\\)"):
         await asyncio.wait_for(engine.generate("a", prompt(27), greedy(5)), timeout=30)
     with pytest.raises(EngineClosed, match="device lost"):
@@ -418,6 +418,33 @@ def test_admitted_prompts_are_prefilled_in_runs_of_at_most_prefill_tokens_padded
     chunks = _prefill_chunks([big, mid, 100, over, 10, 10], lambda n: n)
     assert chunks == [[big], [mid, 100], [over], [10, 10]]
     assert all(max(c) * len(c) <= PREFILL_TOKENS for c in chunks if len(c) > 1)
+
+
+@async_case
+async def test_requests_that_wait_are_admitted_together_once_a_sixteenth_of_the_slots_are_free(weights, monkeypatch):
+    """32 slots, 40 requests finishing one per step: the 8 that wait come in pairs, not one per prefill."""
+    from meshy.infer.torch_engine import ADMISSION_SHARE
+
+    assert 32 // ADMISSION_SHARE == 2
+    prefilled: list[int] = []
+    prefill = DecoderModel.prefill
+
+    def counting(self, sequences, cache, slots):
+        prefilled.append(len(sequences))
+        return prefill(self, sequences, cache, slots)
+
+    monkeypatch.setattr(DecoderModel, "prefill", counting)
+    config, tensors, _ = weights
+    engine = TorchEngine(({**config, "eos_token_id": None}, tensors), max_running=32, max_len=MAX_LEN)
+    budgets = [3 + i for i in range(40)]
+    results = await asyncio.gather(
+        *(engine.generate(f"r{i}", prompt(i), SamplingParams(n, seed=i)) for i, n in enumerate(budgets))
+    )
+    assert [len(r.output_ids) for r in results] == budgets
+    assert prefilled == [32, 2, 2, 2, 2]
+    lone = await engine.generate("lone", prompt(50), SamplingParams(4, seed=0))  # all fit: admitted at once
+    assert len(lone.output_ids) == 4 and prefilled[-1] == 1
+    await engine.close()
 
 
 @pytest.mark.slow  # compiling the decode and the sampler takes about a minute on 2 cores

@@ -4,7 +4,8 @@ One worker thread owns the model and the KV cache. The coroutines check their in
 the worker and await its future, so the event loop stays free while tokens are computed (and a loop
 that also blocks elsewhere does not stall generation). Each scheduler iteration applies the commands
 that arrived, in order (weights, pause, release, abort, new requests, scores); admits waiting requests
-into the lowest free cache slots, their prompts prefilled together; then runs one decode step for every
+into the lowest free cache slots once a sixteenth of the slots are free (or all waiting requests fit),
+their prompts prefilled together; then runs one decode step for every
 running request, sampled together on the device (meshy.infer.sampling), with one wait for the device
 per step. On CUDA a decode step is a replayed CUDA graph, one per batch/span bucket (dense models; a
 mixture decodes eagerly). A mixture's generations also carry the experts every layer chose for each
@@ -48,6 +49,10 @@ from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_mod
 
 PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most (bounds its activations)
 SPAN_STEP = 64  # decode attention spans are multiples of it (decode_shape)
+# Waiting requests are admitted once 1/ADMISSION_SHARE of the slots are free (or all of them fit): as
+# requests finish one or two per step, admitting each at once costs a prefill forward per step, which
+# on a GPU takes longer than the decode step itself (launch-bound); a few steps' wait batches them.
+ADMISSION_SHARE = 16
 log = logging.getLogger(__name__)
 
 
@@ -196,8 +201,17 @@ class _Scheduler:
             call.done.set_exception(e)
 
     def step(self) -> None:
-        """Admit what fits (their prompts prefilled together, up to PREFILL_TOKENS padded tokens per
-        forward), then one decode step for every running request."""
+        """Admit what fits once enough slots are free (their prompts prefilled together, up to
+        PREFILL_TOKENS padded tokens per forward), then one decode step for every running request."""
+        enough = min(len(self.waiting), max(1, self.max_running // ADMISSION_SHARE))
+        admitted = self._admit() if self.waiting and len(self.free_slots) >= enough else []
+        for chunk in _prefill_chunks(admitted, lambda r: len(r.prompt)):
+            self._prefill(chunk)
+        if self.running:
+            self._decode()
+
+    def _admit(self) -> list[_Request]:
+        """Waiting requests into the lowest free slots, in order, while slots are free."""
         admitted: list[_Request] = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
@@ -209,10 +223,7 @@ class _Scheduler:
             request.seed = _int64_seed(secrets.randbits(63) if seed is None else seed)
             self.running[request.slot] = request
             admitted.append(request)
-        for chunk in _prefill_chunks(admitted, lambda r: len(r.prompt)):
-            self._prefill(chunk)
-        if self.running:
-            self._decode()
+        return admitted
 
     def _prefill(self, requests: list[_Request]) -> None:
         prompts = [torch.tensor(r.prompt, device=self.device) for r in requests]
