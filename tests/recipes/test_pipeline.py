@@ -315,11 +315,14 @@ def test_the_same_recipe_and_seed_replay_the_same_rewards_in_lock_step(tmp_path)
         )
         recipe.write_text(text)  # a reward of every sampled token: equal rewards mean equal samples
         runs.append(check_run(run(recipe), 0, steps=6))
-    first, second = (
-        [(m["version"], m["row_ids"], m["reward_mean"], m["loss"], m["grad_norm"]) for m in metrics] for metrics in runs
-    )
-    assert first == second  # equal losses and gradient norms: the same rows trained in the same order
-    assert len({reward for _, _, reward, _, _ in first}) > 1, "rewards that vary, so equality means something"
+    first, second = ([(m["version"], m["row_ids"], m["reward_mean"]) for m in metrics] for metrics in runs)
+    assert first == second  # the same samples, trained in the same rows and versions
+    assert len({reward for _, _, reward in first}) > 1, "rewards that vary, so equality means something"
+    # Equal up to rounding: an engine's logprobs (which the loss reads) move by ~1e-6 with which requests
+    # share its batches, and that depends on when the prompts reach it; a different row would move the
+    # loss by far more.
+    for a, b in zip(*runs, strict=True):
+        assert (a["loss"], a["grad_norm"]) == pytest.approx((b["loss"], b["grad_norm"]), rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.slow  # the default tier resumes a killed GRPO run; this adds the critic's checkpoints
