@@ -302,7 +302,7 @@ class SamplingSpec:
     max_in_flight: int = 64
     context_length: int = 512
     engine: Literal["torch", "sglang"] = "torch"
-    compile: bool = False  # the torch engine's forward through torch.compile (SGLang compiles its own)
+    compile: bool = False  # the torch engine's decode and sampler through torch.compile (SGLang compiles its own)
 
     def __post_init__(self) -> None:
         check_fields(self)
