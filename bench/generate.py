@@ -50,6 +50,7 @@ MODELS = {
     "qwen3-0.6b": get_model("qwen3-0.6b"),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ENGINES = ("TorchEngine", "compiled")  # the eager engine, and with --compile the compiled one
 
 
 def publish(arch: DecoderArch, root: Path, args: argparse.Namespace) -> Path:
@@ -169,7 +170,7 @@ def print_header(args: argparse.Namespace) -> None:
         f"response <= {args.response}, {args.dtype}, {args.device} ({where}), "
         f"median of {args.repeats} alternated runs per side\n"
     )
-    sides = ["TorchEngine"] + (["compiled"] if args.compile else [])
+    sides = ENGINES if args.compile else ENGINES[:1]
     head = "".join(f" {side} tok/s | speedup | decode step |" for side in sides)
     print(f"| model | lengths | tokens | HF tok/s |{head} bound |")
     print("|---|---|---|---|" + "---|---|---|" * len(sides) + "---|", flush=True)
@@ -225,7 +226,7 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> None:
                 row += [tokens / median, hf_median / median, median / steps if kind == "equal" else None]
             print_row(*row, bound=step_bound_s(MODELS[name], args) if kind == "equal" else None)
             if args.profile and kind == "mixed":  # where the engine's lead is smallest
-                for engine, label in zip(engines, ["TorchEngine", "compiled"], strict=False):
+                for engine, label in zip(engines, ENGINES, strict=False):
                     print(f"{name} {kind}, {label}: the ops that took the most time", flush=True)
                     profile(partial(on_engine, engine, requests), args.device)
         for engine in engines:

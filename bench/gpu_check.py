@@ -152,35 +152,22 @@ def stages(args: argparse.Namespace) -> list[Stage]:
         weights += ["--transports", "disk", "shared-memory", "collective"]
     bench = [sys.executable, str(ROOT / "bench")]
     profile = ["--profile"] if gpu else []
-    workers = ["-n", "4"] if gpu else []  # the gpu tests are mostly host-bound: several at once on a GPU host
+
+    def run_generate(*extra: str) -> Callable[[Path], list[list[str]]]:
+        command = [bench[0], f"{bench[1]}/generate.py", "--device", device, "--dtype", "bfloat16", *generate, *extra]
+        return lambda scratch: [command]
+
+    # the gpu tests are mostly host-bound: several at once on a GPU host
+    gpu_tests = [*(["-n", "4"] if gpu else []), str(ROOT / "tests")]
     return [
         Stage("imports", 60, lambda scratch: [[sys.executable, "-c", imports]]),
         Stage(
             "gpu-tests",
             150,
-            lambda scratch: [
-                [
-                    sys.executable,
-                    "-m",
-                    "pytest",
-                    "-q",
-                    "-m",
-                    "gpu",
-                    "-p",
-                    "no:cacheprovider",
-                    *workers,
-                    str(ROOT / "tests"),
-                ]
-            ],
+            lambda scratch: [[sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *gpu_tests]],
             pytest_figures,
         ),
-        Stage(
-            "generate",
-            300,
-            lambda scratch: [
-                [bench[0], f"{bench[1]}/generate.py", "--device", device, "--dtype", "bfloat16", *generate, *profile]
-            ],
-        ),
+        Stage("generate", 300, run_generate(*profile)),
         Stage("async-speedup", 180, lambda scratch: [[bench[0], f"{bench[1]}/async_speedup.py", *asynchronous]]),
         Stage(
             "train-step",
@@ -190,13 +177,7 @@ def stages(args: argparse.Namespace) -> list[Stage]:
                 for variant in train_variants
             ],
         ),
-        Stage(
-            "generate-compiled",
-            300,
-            lambda scratch: [
-                [bench[0], f"{bench[1]}/generate.py", "--device", device, "--dtype", "bfloat16", *generate, "--compile"]
-            ],
-        ),
+        Stage("generate-compiled", 300, run_generate("--compile")),
         Stage(
             "default-colocated", 120, run_recipe(2 if cpu else 40, None, "float32", checkpointing=False), run_figures
         ),

@@ -13,7 +13,7 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane.model_source import read_model
 from meshy.dataplane.weights import CorruptWeights, read_published
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
-from meshy.infer.torch_engine import TorchEngine
+from meshy.infer.torch_engine import ADMISSION_SHARE, TorchEngine
 from meshy.infer.torch_model import DecoderModel, ModelConfig, load_model
 from meshy.train.config import ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
@@ -423,8 +423,6 @@ def test_admitted_prompts_are_prefilled_in_runs_of_at_most_prefill_tokens_padded
 @async_case
 async def test_requests_that_wait_are_admitted_together_once_a_sixteenth_of_the_slots_are_free(weights, monkeypatch):
     """32 slots, 40 requests finishing one per step: the 8 that wait come in pairs, not one per prefill."""
-    from meshy.infer.torch_engine import ADMISSION_SHARE
-
     assert 32 // ADMISSION_SHARE == 2
     prefilled: list[int] = []
     prefill = DecoderModel.prefill
@@ -470,7 +468,7 @@ async def test_a_compiled_engine_generates_what_the_eager_one_does(weights):
 COMPILE_WITHOUT_CXX = """
 import asyncio, json, torch
 from meshy.infer.engine import SamplingParams
-from meshy.infer.torch_engine import TorchEngine
+from meshy.infer.torch_engine import ADMISSION_SHARE, TorchEngine
 from tests.infer.test_torch_engine import ARCH, MAX_LEN, prompt, sharp_weights
 
 async def main():
