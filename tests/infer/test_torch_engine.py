@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ import torch
 from meshy.dataplane import SchemaError
 from meshy.dataplane.model_source import read_model
 from meshy.dataplane.weights import CorruptWeights, read_published
-from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
-from meshy.infer.torch_engine import ADMISSION_SHARE, TorchEngine
+from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
+from meshy.infer.slot_state import HELD, POSITION
+from meshy.infer.torch_engine import ADMISSION_SHARE, TorchEngine, _Request, _Scheduler
 from meshy.infer.torch_model import DecoderModel, ModelConfig, load_model
 from meshy.train.config import ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
@@ -443,6 +445,55 @@ async def test_requests_that_wait_are_admitted_together_once_a_sixteenth_of_the_
     lone = await engine.generate("lone", prompt(50), SamplingParams(4, seed=0))  # all fit: admitted at once
     assert len(lone.output_ids) == 4 and prefilled[-1] == 1
     await engine.close()
+
+
+def test_the_slots_state_on_the_device_is_what_each_running_request_feeds_and_draws_next(weights):
+    """After every step, through admission, finishing, slot reuse, abort, release and onload: each held
+    slot's device state is its request's last token at its next position, drawing its next token with
+    its seed and settings; every other slot is idle at position 0."""
+    config, tensors, _ = weights
+    model_config = ModelConfig.from_hf({**config, "eos_token_id": None})
+    model = load_model(model_config, tensors, torch.device("cpu"), torch.float32)
+    scheduler = _Scheduler(model, model_config, 4, MAX_LEN, torch.device("cpu"), torch.float32, 0)
+    settings = [SamplingParams(9, temperature=0.7, top_p=0.9, seed=(1 << 63) + 5), SamplingParams(3, seed=7)]
+    settings += [SamplingParams(2 + i, top_k=5, seed=i) for i in range(4)] + [greedy(6)]
+    requests = [_Request(f"r{i}", prompt(i + 3), p, frozenset(), Future()) for i, p in enumerate(settings)]
+    for request in requests:
+        scheduler.apply(request)
+
+    def check() -> None:
+        scheduler.slots.flush()
+        ints, floats = scheduler.slots.ints.tolist(), scheduler.slots.settings.tolist()
+        for slot in range(4):
+            request = scheduler.running.get(slot)
+            if request is None:
+                assert ints[HELD][slot] == ints[POSITION][slot] == 0
+                continue
+            p = request.params
+            assert [row[slot] for row in ints] == [
+                request.output[-1],
+                request.cached,
+                request.seed,
+                len(request.output),
+                1,
+            ]
+            expected = torch.tensor([p.temperature, p.top_k or model_config.vocab_size, p.top_p]).tolist()
+            assert [row[slot] for row in floats] == expected
+
+    steps = 0
+    while scheduler.running or scheduler.waiting:
+        scheduler.step()
+        check()
+        steps += 1
+        if steps == 2:
+            scheduler.abort("r0")
+            check()
+        if steps == 3:
+            scheduler.release()
+            scheduler.onload()
+            check()
+    assert [len(r.done.result().output_ids) for r in requests[1:]] == [p.max_new_tokens for p in settings[1:]]
+    assert requests[0].done.result().finish_reason == FINISH_ABORT
 
 
 @pytest.mark.slow  # compiling the decode and the sampler takes about a minute on 2 cores

@@ -5,11 +5,12 @@ the worker and await its future, so the event loop stays free while tokens are c
 that also blocks elsewhere does not stall generation). Each scheduler iteration applies the commands
 that arrived, in order (weights, pause, release, abort, new requests, scores); admits waiting requests
 into the lowest free cache slots once a sixteenth of the slots are free (or all waiting requests fit),
-their prompts prefilled together; then runs one decode step for every
-running request, sampled together on the device (meshy.infer.sampling), with one wait for the device
-per step. On CUDA a decode step is a replayed CUDA graph, one per batch/span bucket (dense models; a
-mixture decodes eagerly). A mixture's generations also carry the experts every layer chose for each
-token, read back in the same copy as the sampled tokens.
+their prompts prefilled together; then runs one decode step for every running request, sampled
+together on the device (meshy.infer.sampling), with one wait for the device per step. What each slot
+feeds and draws next stays on the device and each step advances it there (meshy.infer.slot_state). On
+CUDA a whole decode step (forward, sampling, advance) is a replayed CUDA graph, one per batch/span
+bucket (dense models; a mixture decodes eagerly). A mixture's generations also carry the experts every
+layer chose for each token, read back in the same copy as the sampled tokens.
 Nothing waits forever: `close()` ends pending generations as aborted, and if the worker fails, every
 pending call raises EngineClosed naming the cause.
 """
@@ -45,6 +46,7 @@ from meshy.infer.engine import (
     WeightsSource,
 )
 from meshy.infer.routing_log import EXPERT_ID_DTYPE, RoutingLog
+from meshy.infer.slot_state import SlotState
 from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_model
 
 PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most (bounds its activations)
@@ -133,13 +135,25 @@ def _int64_seed(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
+def _settings(request: _Request) -> tuple[float, int, float]:
+    return request.params.temperature, request.params.top_k, request.params.top_p
+
+
+def _truncates(requests: list[_Request], vocab: int) -> bool:
+    """Whether some request draws from a truncated distribution (top_k or top_p on)."""
+    return any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in requests)
+
+
 class _Scheduler:
     """The worker thread's state: model, cache, requests. Only the worker thread touches it.
 
-    A step's inputs go to the device in one copy and its sampled tokens (with a mixture's expert ids)
-    come back in one read: the only wait on the device per step. On CUDA, each decode shape
-    (decode_shape) is captured once as a CUDA graph and replayed; a release drops the graphs with the
-    cache they point into."""
+    What each slot decodes next lives on the device (SlotState) and each step advances it there, so a
+    decode step sends nothing to the device but the state of slots that changed hands, and its sampled
+    tokens (with a mixture's expert ids) come back in one read: the only wait on the device per step.
+    On CUDA, each decode shape (decode_shape, and whether some row truncates its distribution) is
+    captured once as a CUDA graph of the whole step (forward, logits, sampling, advance; the forward
+    only where top-k/top-p sort) and replayed; a release drops the graphs with the cache and state they
+    point into."""
 
     def __init__(
         self,
@@ -170,12 +184,11 @@ class _Scheduler:
         self._allocate()
 
     def _allocate(self) -> None:
-        """What a release gives back: the KV cache, the step inputs on the device, the decode graphs."""
+        """What a release gives back: the KV cache, the slots' decode state, the decode graphs."""
         self.cache: KVCache | None = KVCache(self.config, self.max_running, self.max_len, self.device, self.dtype)
-        # Rows: tokens and positions of slots 0..batch-1 (a decode graph's inputs), then for the rows
-        # being sampled: their slot (decode), seed and counter (the index of the token they draw).
-        self.inputs: torch.Tensor | None = torch.zeros(5, self.max_running, dtype=torch.int64, device=self.device)
-        self.captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.slots: SlotState | None = SlotState(self.max_running, self.config.vocab_size, self.device)
+        # (batch, span, truncated) -> a decode step's graph and its outputs (_decode_step)
+        self.captured: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def busy(self) -> bool:
@@ -226,11 +239,19 @@ class _Scheduler:
         return admitted
 
     def _prefill(self, requests: list[_Request]) -> None:
+        """Prefill the admitted prompts in one forward and draw each one's first token: for its slot's
+        state, the step that feeds the prompt's last token at its last position."""
+        for r in requests:
+            self.slots.hold(r.slot, r.prompt[-1], len(r.prompt) - 1, r.seed, 0, _settings(r))
+        self.slots.flush()
         prompts = [torch.tensor(r.prompt, device=self.device) for r in requests]
         logits, routing = self.model.prefill(prompts, self.cache, [r.slot for r in requests])
         for request in requests:
             request.cached = len(request.prompt)
-        self._emit(requests, logits, self._sampling_rows(requests, []), routing)
+        slots = torch.tensor([r.slot for r in requests], device=HOST).to(self.device, non_blocking=True)
+        chosen, logprobs = self.sample(logits, self.slots.rows(slots, _truncates(requests, self.config.vocab_size)))
+        self.slots.advance(slots, chosen)
+        self._emit(requests, list(range(len(requests))), chosen, logprobs, routing)
 
     def _refill(self, requests: list[_Request]) -> None:
         """Recompute running requests' caches (dropped by `release`); each one's last token is fed next step."""
@@ -239,92 +260,93 @@ class _Scheduler:
         self.model.prefill(tensors, self.cache, [r.slot for r in requests])
         for request, sequence in zip(requests, sequences, strict=True):
             request.cached = len(sequence)
+            self.slots.hold(
+                request.slot, request.output[-1], request.cached, request.seed, len(request.output), _settings(request)
+            )
 
     def _decode(self) -> None:
         requests = [self.running[slot] for slot in sorted(self.running)]
-        slots, positions = [r.slot for r in requests], [r.cached for r in requests]
-        batch, span = decode_shape(slots, positions, self.max_running, self.max_len)
-        tokens, positions = [0] * batch, [0] * batch  # idle slots compute at position 0, unread
-        for request in requests:
-            tokens[request.slot], positions[request.slot] = request.output[-1], request.cached
-        rows = self._sampling_rows(requests, [tokens, positions])
-        hidden, routing = self._decode_hidden(batch, span)
+        slots = [r.slot for r in requests]
+        batch, span = decode_shape(slots, [r.cached for r in requests], self.max_running, self.max_len)
+        self.slots.flush()
+        chosen, logprobs, routing = self._decode_step(batch, span, _truncates(requests, self.config.vocab_size))
         for request in requests:
             request.cached += 1
-        sampled = self.inputs[2, : len(requests)]  # the requests' slots, the rows they read
-        routing = routing.index_select(0, sampled) if routing is not None else None
-        self._emit(requests, self.model.logits(hidden.index_select(0, sampled)), rows, routing)
+        self._emit(requests, slots, chosen, logprobs, routing)
 
-    def _sampling_rows(self, requests: list[_Request], slot_rows: list[list[int]]) -> sampling.Rows:
-        """Copy a step's inputs to the device, in one transfer that does not wait for it: `slot_rows`
-        (tokens and positions by slot, for decode), then each request's slot, seed and counter; and the
-        requests' sampling settings."""
-        n = len(requests)
-        width = max(n, len(slot_rows[0]) if slot_rows else 0)
-        rows = [*slot_rows] if slot_rows else [[0] * width, [0] * width]
-        pad = [0] * (width - n)
-        rows.append([r.slot for r in requests] + pad)
-        rows.append([r.seed for r in requests] + pad)
-        rows.append([len(r.output) for r in requests] + pad)
-        self.inputs[:, :width].copy_(torch.tensor(rows, dtype=torch.int64, device=HOST), non_blocking=True)
-        vocab = self.config.vocab_size
-        settings = [[r.params.temperature, r.params.top_k or vocab, r.params.top_p] for r in requests]
-        on_device = torch.tensor(settings, dtype=torch.float32, device=HOST).to(self.device, non_blocking=True)
-        return sampling.Rows(
-            temperature=on_device[:, 0],
-            top_k=on_device[:, 1].long(),
-            top_p=on_device[:, 2],
-            seed=self.inputs[3, :n],
-            counter=self.inputs[4, :n],
-            truncated=any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in requests),
-        )
-
-    def _decode_hidden(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decode step's hidden states [batch, hidden] and a mixture's expert ids [batch, layers,
-        top_k]: a replayed CUDA graph on CUDA (captured the first time this shape runs; dense models
-        only), an eager forward elsewhere or if capture failed."""
-        tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
+    def _decode_step(self, batch: int, span: int, truncated: bool) -> tuple:
+        """A decode step over slots 0..batch-1: the drawn tokens and their logprobs [batch], and a
+        mixture's expert ids [batch, layers, top_k] (None if dense). On CUDA a replayed graph (captured
+        the first time this shape runs; dense models only), elsewhere or if capture failed, eager.
+        A step that truncates some row's distribution replays only its forward: top-k/top-p sort the
+        logits, and CUB's segmented sort is not capturable at every shape."""
         if not self.graphs:
-            return self.decode(tokens, positions, self.cache, span)
-        key = (batch, span)
-        if key not in self.captured:
-            try:
-                self.captured[key] = self._capture(tokens, positions, span)
-            except RuntimeError as e:
-                self.graphs, self.graph_failure = False, f"CUDA graph capture failed, decoding eagerly: {e!r}"
-                self.captured.clear()
-                log.warning(self.graph_failure)
-                return self.decode(tokens, positions, self.cache, span)
-        graph, hidden = self.captured[key]
-        graph.replay()
-        return hidden, None
-
-    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> tuple:
-        """A CUDA graph of one decode step of this shape, reading tokens and positions where they are.
-        The warm-up on a side stream (cuBLAS and kernel selection happen outside the capture) computes
-        the step for real: it writes the same keys and values the replay then writes again."""
+            return self._step(batch, span, truncated)
+        key = (batch, span, truncated)
+        if key in self.captured:
+            graph, outputs = self.captured[key]
+            graph.replay()
+            if truncated:
+                hidden, routing = outputs
+                return *self._draw(batch, hidden, truncated), routing
+            return outputs
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self.decode(tokens, positions, self.cache, span)
+        with torch.cuda.stream(side):  # this step, for real: cuBLAS and kernel selection happen outside capture
+            outputs = self._step(batch, span, truncated)
         current.wait_stream(side)
+        try:
+            self.captured[key] = self._capture(
+                partial(self._forward, batch, span) if truncated else partial(self._step, batch, span, False)
+            )
+        except RuntimeError as e:
+            self.graphs, self.graph_failure = False, f"CUDA graph capture failed, decoding eagerly: {e!r}"
+            self.captured.clear()
+            log.warning(self.graph_failure)
+        return outputs
+
+    def _step(self, batch: int, span: int, truncated: bool) -> tuple:
+        """Forward, sampling and the slots' advance, for slots 0..batch-1 (idle ones included: their rows
+        are computed and never read)."""
+        hidden, routing = self._forward(batch, span)
+        return *self._draw(batch, hidden, truncated), routing
+
+    def _forward(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final-norm hidden states [batch, hidden] of slots 0..batch-1 and a mixture's expert ids."""
+        tokens, positions = self.slots.inputs(batch)
+        return self.decode(tokens, positions, self.cache, span)
+
+    def _draw(self, batch: int, hidden: torch.Tensor, truncated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each of slots 0..batch-1's token and logprob, drawn from its logits; the slots advance past it."""
+        rows = slice(0, batch)
+        chosen, logprobs = self.sample(self.model.logits(hidden), self.slots.rows(rows, truncated))
+        self.slots.advance(rows, chosen)
+        return chosen, logprobs
+
+    def _capture(self, step: Callable[[], tuple]) -> tuple:
+        """A CUDA graph of `step` (reading and writing the cache and the slots' state where they are) and
+        its outputs. Capturing runs nothing: what it records runs at each replay."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, _ = self.decode(tokens, positions, self.cache, span)
-        return graph, hidden
+            outputs = step()
+        return graph, outputs
 
     def _emit(
-        self, requests: list[_Request], logits: torch.Tensor, rows: sampling.Rows, routing: torch.Tensor | None
+        self,
+        requests: list[_Request],
+        rows: list[int],
+        chosen: torch.Tensor,
+        logprobs: torch.Tensor,
+        routing: torch.Tensor | None,
     ) -> None:
-        """Sample each request's next token from its logits row; `routing` [requests, layers, top_k] holds
-        the experts a mixture chose for those rows (None if dense). Token, logprob and expert ids come
-        to the host in one copy, the step's one wait on the device."""
-        chosen, logprobs = self.sample(logits, rows)
+        """Give each request the token drawn in its row of `chosen` (and its logprob; `routing` [rows,
+        layers, top_k] holds the experts a mixture chose, None if dense). Tokens, logprobs and expert ids
+        come to the host in one copy, the step's one wait on the device."""
         columns = [chosen.double()[:, None], logprobs.double()[:, None]]
         if routing is not None:  # expert ids are small integers: exact in float64
             columns.append(routing.flatten(1).double())
-        host = torch.cat(columns, dim=1).to(HOST)
+        host = torch.cat(columns, dim=1).to(HOST)[rows]
         tokens, values = host[:, 0].tolist(), host[:, 1].tolist()
         experts = (
             host[:, 2:].to(EXPERT_ID_DTYPE).view(len(requests), *routing.shape[1:]) if routing is not None else None
@@ -345,6 +367,8 @@ class _Scheduler:
         if self.running.get(request.slot) is request:
             del self.running[request.slot]
             heapq.heappush(self.free_slots, request.slot)
+            if self.slots is not None:  # else released: onload starts from a fresh state
+                self.slots.free(request.slot)
         routed = request.routing.tensor() if request.routing is not None else None
         result = Generation(
             request.request_id, request.output, request.logprobs, request.versions, reason, len(request.prompt), routed
@@ -379,7 +403,7 @@ class _Scheduler:
         if self.released:
             return
         self.released = True
-        self.cache = self.inputs = self.pool = None
+        self.cache = self.slots = self.pool = None
         self.captured.clear()
         if self.device.type != "cpu":
             self.model.to(HOST)
