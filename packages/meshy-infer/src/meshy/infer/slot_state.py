@@ -65,19 +65,34 @@ class SlotState:
 
     def rows(self, slots: Slots, truncated: bool) -> sampling.Rows:
         """The sampling rows of `slots` (`truncated`: some held slot among them has top_k or top_p on)."""
+        ints, settings = take(self.ints, 1, slots), take(self.settings, 1, slots)
         return sampling.Rows(
-            temperature=self.settings[TEMPERATURE, slots],
-            top_k=self.settings[TOP_K, slots].long(),
-            top_p=self.settings[TOP_P, slots],
-            seed=self.ints[SEED, slots],
-            counter=self.ints[COUNTER, slots],
+            temperature=settings[TEMPERATURE],
+            top_k=settings[TOP_K].long(),
+            top_p=settings[TOP_P],
+            seed=ints[SEED],
+            counter=ints[COUNTER],
             truncated=truncated,
         )
 
     def advance(self, slots: Slots, chosen: torch.Tensor) -> None:
         """After `slots` drew `chosen`: each feeds its token next, and held slots move to the next
-        position and token index."""
-        held = self.ints[HELD, slots]
-        self.ints[TOKEN, slots] = chosen
-        self.ints[POSITION, slots] += held
-        self.ints[COUNTER, slots] += held
+        position and token index. Slots given by index must all be held (a prefill's, or the running
+        ones of an eager step)."""
+        if isinstance(slots, slice):
+            held = self.ints[HELD, slots]
+            self.ints[TOKEN, slots] = chosen
+            self.ints[POSITION, slots] += held
+            self.ints[COUNTER, slots] += held
+            return
+        self.ints[TOKEN].index_copy_(0, slots, chosen)
+        moving = self.ints[POSITION : COUNTER + 1 : COUNTER - POSITION]  # a view of both rows
+        moving.index_add_(1, slots, torch.ones(2, len(slots), dtype=torch.int64, device=slots.device))
+
+
+def take(tensor: torch.Tensor, dim: int, slots: Slots) -> torch.Tensor:
+    """`tensor`'s entries of `slots` along `dim`: a view for a range, a gather (index_select, cheaper
+    than advanced indexing) for an index."""
+    if isinstance(slots, slice):
+        return tensor[(slice(None),) * dim + (slots,)]
+    return tensor.index_select(dim, slots)

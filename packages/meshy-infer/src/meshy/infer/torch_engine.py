@@ -46,7 +46,7 @@ from meshy.infer.engine import (
     WeightsSource,
 )
 from meshy.infer.routing_log import EXPERT_ID_DTYPE, RoutingLog
-from meshy.infer.slot_state import SlotState
+from meshy.infer.slot_state import Slots, SlotState, take
 from meshy.infer.torch_model import DecoderModel, KVCache, ModelConfig, load_model
 
 PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most (bounds its activations)
@@ -269,57 +269,64 @@ class _Scheduler:
         slots = [r.slot for r in requests]
         batch, span = decode_shape(slots, [r.cached for r in requests], self.max_running, self.max_len)
         self.slots.flush()
-        chosen, logprobs, routing = self._decode_step(batch, span, _truncates(requests, self.config.vocab_size))
+        rows, outputs = self._decode_step(batch, span, _truncates(requests, self.config.vocab_size), slots)
         for request in requests:
             request.cached += 1
-        self._emit(requests, slots, chosen, logprobs, routing)
+        self._emit(requests, rows, *outputs)
 
-    def _decode_step(self, batch: int, span: int, truncated: bool) -> tuple:
-        """A decode step over slots 0..batch-1: the drawn tokens and their logprobs [batch], and a
-        mixture's expert ids [batch, layers, top_k] (None if dense). On CUDA a replayed graph (captured
-        the first time this shape runs; dense models only), elsewhere or if capture failed, eager.
-        A step that truncates some row's distribution replays only its forward: top-k/top-p sort the
-        logits, and CUB's segmented sort is not capturable at every shape."""
+    def _decode_step(self, batch: int, span: int, truncated: bool, held: list[int]) -> tuple[list[int], tuple]:
+        """A decode step over slots 0..batch-1, of which `held` (ascending) are running: where each held
+        slot's draw lies in the outputs, and the outputs: drawn tokens and their logprobs, and a
+        mixture's expert ids [rows, layers, top_k] (None if dense).
+
+        On CUDA a replayed graph, captured the first time this shape runs (dense models only); it draws
+        for every slot, idle ones included, so its shapes stay fixed. A step that truncates some row's
+        distribution replays only its forward: top-k/top-p sort the logits, and CUB's segmented sort is
+        not capturable at every shape. Eagerly (elsewhere, or if capture failed), only the held slots
+        get logits and draws."""
         if not self.graphs:
-            return self._step(batch, span, truncated)
+            rows = torch.tensor(held, device=HOST).to(self.device, non_blocking=True)
+            return list(range(len(held))), self._step(batch, span, truncated, rows)
+        every = slice(0, batch)
         key = (batch, span, truncated)
         if key in self.captured:
             graph, outputs = self.captured[key]
             graph.replay()
             if truncated:
                 hidden, routing = outputs
-                return *self._draw(batch, hidden, truncated), routing
-            return outputs
+                return held, (*self._draw(every, hidden, truncated), routing)
+            return held, outputs
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):  # this step, for real: cuBLAS and kernel selection happen outside capture
-            outputs = self._step(batch, span, truncated)
+            outputs = self._step(batch, span, truncated, every)
         current.wait_stream(side)
         try:
             self.captured[key] = self._capture(
-                partial(self._forward, batch, span) if truncated else partial(self._step, batch, span, False)
+                partial(self._forward, batch, span) if truncated else partial(self._step, batch, span, False, every)
             )
         except RuntimeError as e:
             self.graphs, self.graph_failure = False, f"CUDA graph capture failed, decoding eagerly: {e!r}"
             self.captured.clear()
             log.warning(self.graph_failure)
-        return outputs
+        return held, outputs
 
-    def _step(self, batch: int, span: int, truncated: bool) -> tuple:
-        """Forward, sampling and the slots' advance, for slots 0..batch-1 (idle ones included: their rows
-        are computed and never read)."""
+    def _step(self, batch: int, span: int, truncated: bool, rows: Slots) -> tuple:
+        """Forward over slots 0..batch-1 (idle ones compute at position 0, unread), then draws for the
+        slots `rows`, which advance past them."""
         hidden, routing = self._forward(batch, span)
-        return *self._draw(batch, hidden, truncated), routing
+        routing = None if routing is None else take(routing, 0, rows)
+        return *self._draw(rows, take(hidden, 0, rows), truncated), routing
 
     def _forward(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final-norm hidden states [batch, hidden] of slots 0..batch-1 and a mixture's expert ids."""
         tokens, positions = self.slots.inputs(batch)
         return self.decode(tokens, positions, self.cache, span)
 
-    def _draw(self, batch: int, hidden: torch.Tensor, truncated: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each of slots 0..batch-1's token and logprob, drawn from its logits; the slots advance past it."""
-        rows = slice(0, batch)
+    def _draw(self, rows: Slots, hidden: torch.Tensor, truncated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token and logprob of each slot of `rows` (whose hidden states `hidden` are), drawn from its
+        logits; the slots advance past them."""
         chosen, logprobs = self.sample(self.model.logits(hidden), self.slots.rows(rows, truncated))
         self.slots.advance(rows, chosen)
         return chosen, logprobs
