@@ -34,11 +34,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
+from meshy.dataplane.model_source import read_model
 from meshy.infer import sampling
 from meshy.infer.engine import SamplingParams
-from meshy.infer.torch_engine import TorchEngine
+from meshy.infer.torch_engine import TorchEngine, decode_shape
+from meshy.infer.torch_model import KVCache, ModelConfig, load_model
 from meshy.train.config import ParallelConfig
 from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import build_model
@@ -126,24 +129,66 @@ def step_bound_s(arch: DecoderArch, args: argparse.Namespace) -> float:
     return (params * width + args.batch * context * kv_per_token) / (args.bandwidth * 1e12)
 
 
-def sampler_ms(arch: DecoderArch, args: argparse.Namespace, reps: int = 20) -> float:
-    """Milliseconds the sampler takes for a full batch (logits in, tokens read back), alone."""
-    device, n = torch.device(args.device), args.batch
-    logits = torch.randn(n, arch.vocab_size, device=device, generator=torch.Generator(device).manual_seed(0))
-    rows = sampling.Rows(
+def full_batch_rows(n: int, vocab: int, device: torch.device) -> sampling.Rows:
+    """Sampling rows of n requests at temperature 1, untruncated (what the bench's requests ask)."""
+    return sampling.Rows(
         temperature=torch.ones(n, device=device),
-        top_k=torch.full((n,), arch.vocab_size, device=device),
+        top_k=torch.full((n,), vocab, device=device),
         top_p=torch.ones(n, device=device),
         seed=torch.arange(n, device=device),
         counter=torch.zeros(n, dtype=torch.int64, device=device),
         truncated=False,
     )
+
+
+def sampler_ms(arch: DecoderArch, args: argparse.Namespace, reps: int = 20) -> float:
+    """Milliseconds the sampler takes for a full batch (logits in, tokens read back), alone."""
+    device, n = torch.device(args.device), args.batch
+    logits = torch.randn(n, arch.vocab_size, device=device, generator=torch.Generator(device).manual_seed(0))
+    rows = full_batch_rows(n, arch.vocab_size, device)
     sampling.sample(logits, rows)[0].tolist()
     start = time.perf_counter()
     for _ in range(reps):
         tokens, logprobs = sampling.sample(logits, rows)
         torch.stack([tokens.double(), logprobs.double()]).tolist()
     return (time.perf_counter() - start) / reps * 1e3
+
+
+_NOT_COMPUTING = ("empty.memory_format", "empty_strided.default", "_unsafe_view.default")
+
+
+class _CountOperators(TorchDispatchMode):
+    """Counts the operators that compute (not views, reshapes of fresh results or bare allocations):
+    each a kernel launch when it runs eagerly on a GPU. Composite operators count as what they run as on
+    this device (on a CPU, RMSNorm is seven; a GPU may have one fused kernel for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.__name__ not in _NOT_COMPUTING:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_operators(directory: Path, args: argparse.Namespace) -> tuple[int, int]:
+    """Operators one eager decode step of a full batch dispatches: (forward and logits, sampler)."""
+    config, tensors = read_model(directory)
+    model_config = ModelConfig.from_hf(config)
+    device = torch.device(args.device)
+    model = load_model(model_config, tensors, device, DTYPES[args.dtype])
+    max_len = args.prompt + args.response
+    cache = KVCache(model_config, args.batch, max_len, device, DTYPES[args.dtype])
+    batch, span = decode_shape(range(args.batch), [args.prompt] * args.batch, args.batch, max_len)
+    positions = torch.full((batch,), args.prompt, dtype=torch.int64, device=device)
+    tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+    rows = full_batch_rows(batch, model_config.vocab_size, device)
+    with torch.no_grad(), _CountOperators() as forward:
+        logits = model.logits(model.decode(tokens, positions, cache, span)[0])
+    with torch.no_grad(), _CountOperators() as sampler:
+        sampling.sample(logits, rows)
+    return forward.count, sampler.count
 
 
 def profile(fn: Callable[[], object], device: str) -> None:
@@ -233,6 +278,12 @@ def compare(name: str, directory: Path, args: argparse.Namespace) -> None:
             if args.device != "cpu":
                 print(f"{name}: decode CUDA graphs {engine.cuda_graphs}", flush=True)
         print(f"{name}: sampling a batch of {args.batch} takes {sampler_ms(MODELS[name], args):.2f} ms", flush=True)
+        forward, sampler = decode_operators(directory, args)
+        print(
+            f"{name}: an eager decode step of a batch of {args.batch} dispatches {forward} operators in the forward "
+            f"and {sampler} in the sampler (kernels, on a GPU without a graph)",
+            flush=True,
+        )
     finally:
         for engine in engines:
             loop.run_until_complete(engine.close())
