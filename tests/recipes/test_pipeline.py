@@ -1,6 +1,7 @@
 """End-to-end runs of the whole pipeline on CPU with `meshy run` (real torchrun, real processes)."""
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -149,6 +150,41 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
     assert f"rows trained {STEPS * GROUPS * GROUP}, dropped 0" in lines
 
 
+def check_turns(run_dir: Path, ring: list[str]) -> dict[str, list[dict]]:
+    """The ring's grants are numbered 1, 2, ... each taken once; every turn of an ON_DEMAND member ran
+    under a grant made to it, and no two turns overlapped in time. Each member's turns, by name."""
+    grants = [r for role in ring for r in records(run_dir, f"{role}-0") if r["kind"] == "grant"]
+    assert sorted(g["seq"] for g in grants) == list(range(1, len(grants) + 1)), "grants are contiguous, each taken once"
+    holders = {g["seq"]: g["holder"] for g in grants}
+    turns = {role: [r for r in records(run_dir, f"{role}-0") if r["kind"] == "turn"] for role in ring}
+    for role, taken in turns.items():
+        assert all(holders[t["seq"]] == role for t in taken), f"{role} computed only under its own grants"
+    ordered = sorted((t["start"], t["end"], role) for role, taken in turns.items() for t in taken)
+    for before, after in itertools.pairwise(ordered):
+        assert before[1] <= after[0], f"{before[2]} and {after[2]} computed at once: {before}, {after}"
+    return turns
+
+
+def test_a_ring_of_training_inference_critic_and_reference_takes_turns_and_trains_every_row(tmp_path):
+    ring = ["training", "inference", "critic", "reference"]
+    recipe = small_recipe(
+        tmp_path,
+        "1",
+        top=f"colocate = [{ring}]\n".replace("'", '"'),
+        tail="\n[roles.critic]\nprocesses = 1\n\n[roles.reference]\nprocesses = 1\n",
+    )
+    text = recipe.read_text().replace('kind = "grpo"', 'kind = "ppo"')
+    recipe.write_text(text.replace("[algorithm.loss]\n", "[algorithm.loss]\nkl_coef = 0.1\n"))
+    run_dir = run(recipe)
+    metrics = check_run(run_dir, 0)
+    assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), "values and ref_logprobs"
+    turns = check_turns(run_dir, ring)
+    assert len(turns["training"]) == STEPS
+    assert turns["critic"] and turns["reference"], "the critic and the reference computed in turns of their own"
+    assert records(run_dir, "critic-0")[-1]["valued"] >= STEPS * GROUPS * GROUP
+    assert records(run_dir, "reference-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
+
+
 def test_a_custom_role_from_a_test_module_writes_its_own_column(tmp_path):
     extra = (
         '\n[[roles.custom]]\nname = "scorer"\ncls = "tests.recipes.custom_role:LengthScorer"\n'
@@ -206,7 +242,10 @@ def sharp_teacher(root: Path) -> Path:
 def test_online_distillation_pulls_the_student_towards_the_teacher(tmp_path):
     teacher = sharp_teacher(tmp_path / "teacher")
     (tmp_path / "run").mkdir()
-    text = small_recipe(tmp_path / "run", "1", tail="\n[roles.teacher]\nprocesses = 1\n").read_text()
+    ring = ["training", "inference", "teacher"]  # the teacher scores in turns on the devices
+    text = small_recipe(
+        tmp_path / "run", "1", top=f"colocate = [{ring}]\n".replace("'", '"'), tail="\n[roles.teacher]\nprocesses = 1\n"
+    ).read_text()
     text = text.replace('kind = "grpo"', 'kind = "distill"').replace(
         'tis = "none"', 'tis = "none"\npg_coef = 0.0\ndistill_coef = 1.0'
     )
@@ -217,6 +256,7 @@ def test_online_distillation_pulls_the_student_towards_the_teacher(tmp_path):
     kl = [m["distill_kl"] for m in metrics]
     assert kl[-1] < 0.9 * kl[0], kl
     assert records(run_dir, "teacher-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
+    assert check_turns(run_dir, ring)["teacher"], "the teacher scored in turns of its own"
 
 
 def test_kl_to_the_reference_policy_starts_at_zero_and_grows_as_the_policy_moves(tmp_path):

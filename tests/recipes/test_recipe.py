@@ -58,8 +58,20 @@ def test_the_embedded_default_loads_and_resolves():
         (lambda t: t.replace("vocab_size = 17", "vocab = 17"), "overrides: unknown architecture fields ['vocab']"),
         (lambda t: 'colocate = [["training", "reward"]]\n' + t, "colocate: unknown role 'reward'"),
         (
-            lambda t: 'colocate = [["training", "teacher"]]\n' + t + "\n[roles.teacher]\nprocesses = 1\n",
-            "colocate: role 'teacher' does not take part in a GPU token ring; roles that do: ['training', 'inference']",
+            lambda t: 'colocate = [["training", "scorer"]]\n' + t + '\n[[roles.custom]]\nname = "scorer"\ncls = "x:Y"',
+            "colocate: role 'scorer' does not take part in a GPU token ring; roles that do: "
+            "['training', 'inference', 'critic', 'teacher', 'reference']",
+        ),
+        (
+            lambda t: (
+                'colocate = [["training", "critic"]]\n'
+                + t.replace('kind = "grpo"', 'kind = "ppo"').replace(
+                    "[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2"
+                )
+                + "\n[roles.critic]\nprocesses = 2\n"
+            ),
+            "colocate: ring ['training', 'critic'] holds training and critic, which each step in lock-step over "
+            "their 2 processes",
         ),
         (
             lambda t: t.replace("prompts_per_step = 32", "prompts_per_step = 3").replace(
@@ -98,10 +110,6 @@ def test_the_embedded_default_loads_and_resolves():
             lambda t: with_reference(t).replace("[algorithm.loss]", "[algorithm.loss]\ntemperature = 0.7"),
             "algorithm.loss.temperature: the reference role scores at temperature 1, so KL to it "
             "(algorithm.loss.kl_coef) needs temperature = 1, got 0.7",
-        ),
-        (
-            lambda t: 'colocate = [["training", "reference"]]\n' + with_reference(t),
-            "colocate: role 'reference' does not take part in a GPU token ring",
         ),
         (lambda t: t.replace("max_new_tokens = 3", "max_new_tokens = 0"), "max_new_tokens, max_in_flight >= 1"),
         (

@@ -9,7 +9,9 @@ drops with a reason, so no group ever waits forever.
 
 import abc
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +44,22 @@ class ScoringConfig:
 class ScoringService(abc.ABC):
     """Subclasses say which task they serve (its declaration: the columns it reads and writes), how
     many top-k ids per position they need, and what they write for a row's scores (and for a row that
-    cannot be scored)."""
+    cannot be scored). device_turn: what scoring a lease runs inside: a colocated engine's turn on its
+    ring's devices (meshy.recipes.colocation), nothing otherwise."""
 
     declared: cols.Task
 
-    def __init__(self, client: DataPlaneClient, engine: Engine, config: ScoringConfig):
+    def __init__(
+        self,
+        client: DataPlaneClient,
+        engine: Engine,
+        config: ScoringConfig,
+        device_turn: Callable[[], contextlib.AbstractAsyncContextManager] = contextlib.nullcontext,
+    ):
         self.client = client
         self.engine = engine
         self.config = config
+        self.device_turn = device_turn
         self.rows = 0
         self.unscored = 0
 
@@ -81,14 +91,15 @@ class ScoringService(abc.ABC):
             )
             if batch is None:
                 continue
-            scored = await asyncio.gather(  # in flight together: an engine that batches scores them at once
-                *(
-                    self._score(prompt, response)
-                    for prompt, response in zip(
-                        batch.columns[cols.PROMPT_IDS], batch.columns[cols.RESPONSE_IDS], strict=True
+            async with self.device_turn():
+                scored = await asyncio.gather(  # in flight together: an engine that batches scores them at once
+                    *(
+                        self._score(prompt, response)
+                        for prompt, response in zip(
+                            batch.columns[cols.PROMPT_IDS], batch.columns[cols.RESPONSE_IDS], strict=True
+                        )
                     )
                 )
-            )
             columns = {name: [row[i] for row in scored] for i, name in enumerate(self.declared.writes)}
             await asyncio.to_thread(self.client.add_columns, cfg.table, batch.row_ids, columns, ack=batch)
             self.rows += len(batch)

@@ -1,11 +1,23 @@
 """Colocated roles share devices through a GPU token ring: the i-th process of each role in a ring
 shares ring `<roles>-<i>`. Inference is the FALLBACK member (it generates whenever nobody else needs the
-devices); the others are ON_DEMAND (they ask before each burst of compute, and hand the devices back)."""
+devices); the others are ON_DEMAND: each burst of their compute is a turn (DeviceTurns), for which they
+take the token and their state onto the devices, and after which they give both back. A member that does
+not hold the token holds no device memory."""
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from meshy.dataplane import FALLBACK, ON_DEMAND, GpuTokenRing, Grant
+from meshy.infer.engine import Engine
 from meshy.recipes.context import RoleContext
+
+TURN_TIMEOUT_S = 600.0  # an ON_DEMAND member waiting longer for the token stops the run, naming its holder
 
 
 def join_ring(ctx: RoleContext, on_acquire, on_release) -> GpuTokenRing | None:
@@ -38,3 +50,74 @@ def record_released(ctx: RoleContext) -> None:
             allocated=torch.cuda.memory_allocated(device),
             reserved=torch.cuda.memory_reserved(device),
         )
+
+
+@dataclass
+class Turn:
+    """One hold of the token (`grant` None when the role is not colocated); `payload` goes to the next
+    holder with the token."""
+
+    grant: Grant | None
+    payload: Any = None
+
+
+class DeviceTurns:
+    """An ON_DEMAND member's turns on its ring's devices (every turn a no-op when its role is not
+    colocated). Inside `turn()`, the member holds the token, its state on its devices (on_acquire); at its
+    end, on_release gives the memory back and the token goes on. A turn that raises keeps the token: the
+    process is failing, and the run with it. Each turn is recorded (`turn`: ring, grant seq, start, end),
+    so a run shows that members never computed at once."""
+
+    def __init__(self, ctx: RoleContext, on_acquire: Callable[[Grant], None], on_release: Callable[[], None]):
+        self.ctx = ctx
+        self.ring = join_ring(ctx, on_acquire, on_release)
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[Turn]:
+        if self.ring is None:
+            yield Turn(None)
+            return
+        turn = Turn(self.ring.acquire(timeout=TURN_TIMEOUT_S))
+        start = time.time()
+        yield turn
+        self._end(turn, start)
+
+    @contextlib.asynccontextmanager
+    async def turn_async(self) -> AsyncIterator[Turn]:
+        """turn() for a member serving on an event loop: waiting for the token and handing it on happen
+        on a worker thread (on_acquire and on_release run there too)."""
+        if self.ring is None:
+            yield Turn(None)
+            return
+        turn = Turn(await asyncio.to_thread(self.ring.acquire, TURN_TIMEOUT_S))
+        start = time.time()
+        yield turn
+        await asyncio.to_thread(self._end, turn, start)
+
+    def _end(self, turn: Turn, start: float) -> None:
+        end = time.time()
+        self.ring.release(payload=turn.payload)
+        self.ctx.record("turn", ring=self.ring.ring, seq=turn.grant.seq, start=start, end=end)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+
+
+async def engine_turns(ctx: RoleContext, engine: Engine) -> DeviceTurns:
+    """The turns of a role that scores with `engine` (teacher, reference): a colocated engine gives its
+    device memory back at once, takes it only for a turn (onload), and gives it back after (release)."""
+    loop = asyncio.get_running_loop()
+
+    def run(coroutine) -> None:  # from the ring's worker thread, on the engine's event loop
+        asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=120)
+
+    def give() -> None:
+        run(engine.release())
+        record_released(ctx)
+
+    turns = await asyncio.to_thread(DeviceTurns, ctx, lambda _: run(engine.onload()), give)
+    if turns.ring is not None:
+        await engine.release()
+        record_released(ctx)
+    return turns

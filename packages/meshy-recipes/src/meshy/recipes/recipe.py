@@ -27,7 +27,8 @@ from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
 
 BUILTIN_ROLES = ("training", "inference", "rollout", "environment", "critic", "teacher", "reference")
-RING_ROLES = ("training", "inference")  # the roles that hand devices over through a GPU token ring
+# the roles that hand devices over through a GPU token ring (meshy.recipes.colocation)
+RING_ROLES = ("training", "inference", "critic", "teacher", "reference")
 DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
 
 
@@ -400,6 +401,13 @@ class Recipe:
             sizes = {roles[r].processes for r in ring}
             if len(ring) < 2 or len(sizes) != 1:
                 raise SchemaError(f"colocate: ring {list(ring)} needs >= 2 roles with equal process counts")
+            if {"training", "critic"} <= set(ring) and sizes != {1}:
+                raise SchemaError(
+                    f"colocate: ring {list(ring)} holds training and critic, which each step in lock-step over "
+                    f"their {sizes.pop()} processes: one could hold ring i's token waiting for a peer that waits "
+                    "for ring j's, held by the other (a deadlock); colocate them with processes = 1, or put the "
+                    "critic in share_devices"
+                )
         for group in self.share_devices:
             for role in group:
                 if role not in roles:

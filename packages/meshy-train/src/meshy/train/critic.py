@@ -6,6 +6,8 @@ and trained in float32. The service is a role of its own: it writes the `values`
 responses, and trains on the `returns` column (clipped value loss) once the advantage step wrote it.
 """
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,11 +107,22 @@ def _all_have(flag: bool) -> int:
 
 
 class CriticService:
-    def __init__(self, client: DataPlaneClient, trainer: CriticTrainer, config: CriticServiceConfig):
+    """Values rows and trains on their returns, on the device the critic's model is on when the service is
+    made. device_turn: what each burst of compute (a valuing forward, a training step) runs inside, once
+    some rank has rows for it: a colocated critic's turn on its ring's devices (meshy.recipes.colocation)."""
+
+    def __init__(
+        self,
+        client: DataPlaneClient,
+        trainer: CriticTrainer,
+        config: CriticServiceConfig,
+        device_turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
         self.client = client
         self.trainer = trainer
         self.config = config
         self.device = next(trainer.model.parameters()).device
+        self.device_turn = device_turn
 
     def write_values(self, timeout: float | None = None) -> int:
         """Value the responses of rows that have none yet; returns the rows this rank wrote."""
@@ -125,12 +138,12 @@ class CriticService:
         )
         if not _all_have(batch is not None):
             return 0
-        tokens, _, spans = _pad(batch, self.device)
-        with torch.no_grad():
+        with self.device_turn(), torch.no_grad():
+            tokens, _, spans = _pad(batch, self.device)
             values = self.trainer.model(tokens)
+            per_row = [values[i, span].to(HOST) for i, span in enumerate(spans)]  # off the devices within the turn
         if batch is None:
             return 0
-        per_row = [values[i, span].cpu() for i, span in enumerate(spans)]
         self.client.add_columns(cfg.table, batch.row_ids, {cols.VALUES: per_row}, ack=batch)
         return len(batch)
 
@@ -148,15 +161,16 @@ class CriticService:
         )
         if not _all_have(batch is not None):
             return None
-        tokens, mask, spans = _pad(batch, self.device)
-        returns, old = torch.zeros_like(mask), torch.zeros_like(mask)
-        if batch is not None:
-            for i, span in enumerate(spans):
-                returns[i, span] = batch.columns[cols.RETURNS][i].to(self.device)
-                old[i, span] = batch.columns[cols.VALUES][i].to(self.device)
-                if cfg.policy_mask:
-                    mask[i, span] = batch.columns[cols.POLICY_MASK][i].to(mask.device, mask.dtype)
-        metrics = self.trainer.step(ValueBatch(tokens, mask, returns, old))
+        with self.device_turn():
+            tokens, mask, spans = _pad(batch, self.device)
+            returns, old = torch.zeros_like(mask), torch.zeros_like(mask)
+            if batch is not None:
+                for i, span in enumerate(spans):
+                    returns[i, span] = batch.columns[cols.RETURNS][i].to(self.device)
+                    old[i, span] = batch.columns[cols.VALUES][i].to(self.device)
+                    if cfg.policy_mask:
+                        mask[i, span] = batch.columns[cols.POLICY_MASK][i].to(mask.device, mask.dtype)
+            metrics = self.trainer.step(ValueBatch(tokens, mask, returns, old))
         if batch is not None:
             self.client.ack(batch)
         return metrics

@@ -1,9 +1,10 @@
 """Moving a trainer between devices: what a colocated trainer does when it hands its GPU over (to host
-memory) and takes it back. Parameters, gradients and optimizer state all move; the caller then gives
-the freed device memory back (`meshy.dataplane.free_cached`) before granting the token on."""
+memory) and takes it back. Parameters, gradients and optimizer state all move; handing over also gives
+the freed device memory back, before the token goes on."""
 
 import torch
 
+from meshy.dataplane import HOST, free_cached
 from meshy.train.checkpoint import Trainer
 
 
@@ -15,3 +16,9 @@ def move(trainer: Trainer, device: torch.device) -> None:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 state[key] = value.to(device)
+
+
+def hand_over(trainer: Trainer, device: torch.device) -> None:
+    """Give `device` up: the trainer's tensors to host memory, the memory they held back to the driver."""
+    move(trainer, HOST)
+    free_cached(device)

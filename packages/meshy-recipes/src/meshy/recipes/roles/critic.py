@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from meshy.dataplane import HOST
 from meshy.dataplane.weights import WEIGHTS_STREAM
+from meshy.recipes.colocation import DeviceTurns, record_released
 from meshy.recipes.context import RoleContext
 from meshy.recipes.pretrained import load_init
-from meshy.train import checkpoint
+from meshy.train import checkpoint, offload
 from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.parallel import build_model
 from meshy.train.trainer import reduce_over_ranks
@@ -39,10 +40,19 @@ class CriticRole:
             batch_timeout_s=0.2,
             policy_mask=recipe.multi_turn,
         )
-        self.service = CriticService(ctx.client, CriticTrainer(model, algo.critic_optim, algo.value_clip), config)
+        trainer = CriticTrainer(model, algo.critic_optim, algo.value_clip)
+        self.device = torch.device(ctx.slot.device)
+        self.turns = DeviceTurns(ctx, on_acquire=lambda _: offload.move(trainer, self.device), on_release=self._offload)
+        self.service = CriticService(ctx.client, trainer, config, device_turn=self.turns.turn)
         self.saved_version = self._restore()
         if self.saved_version == 0:
             load_init(backbone, arch, recipe.model.init)
+        if self.turns.ring is not None:
+            self._offload()  # until its first turn
+
+    def _offload(self) -> None:
+        offload.hand_over(self.service.trainer, self.device)
+        record_released(self.ctx)
 
     def _restore(self) -> int:
         """The version of the critic state restored for a resumed run (0: none)."""
@@ -74,6 +84,7 @@ class CriticRole:
                 announced = max(announced, message.payload["version"])
             if every:
                 self._checkpoint_due(announced // every * every)
+        self.turns.close()
         ctx.record("critic", valued=valued, steps=steps)
 
     def _checkpoint_due(self, version: int) -> None:

@@ -1,10 +1,11 @@
 """The reference role: the frozen initial policy (meshy.recipes.reference_weights) scores every response
 into ref_logprobs, for the KL term of the loss (algorithm.loss.kl_coef), on the engine the recipe names
-(`sampling.engine`), like the teacher role."""
+(`sampling.engine`), like the teacher role; colocated, only in its turns on the ring's devices."""
 
 import asyncio
 
 from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
+from meshy.recipes.colocation import engine_turns
 from meshy.recipes.context import RoleContext
 from meshy.recipes.engines import build_engine
 from meshy.recipes.reference_weights import wait_for_reference
@@ -23,10 +24,13 @@ class ReferenceRole:
         published = await asyncio.to_thread(wait_for_reference, ctx)
         if published is None:
             return
-        engine = build_engine(ctx, published)
-        service = ReferenceService(ctx.client, engine, ReferenceServiceConfig(table=ctx.table))
+        engine = build_engine(ctx, published, colocate=ctx.slot.ring is not None)
+        turns = await engine_turns(ctx, engine)
+        config = ReferenceServiceConfig(table=ctx.table)
+        service = ReferenceService(ctx.client, engine, config, device_turn=turns.turn_async)
         try:
             await ctx.until_stopped(service.run)
+            await asyncio.to_thread(turns.close)
         finally:
             await engine.close()
         ctx.record(

@@ -1,9 +1,11 @@
 """The teacher role (online policy distillation): a fixed teacher model scores every response, on the
-engine the recipe names (`sampling.engine`), like the inference role."""
+engine the recipe names (`sampling.engine`), like the inference role; colocated, only in its turns on the
+ring's devices."""
 
 import asyncio
 
 from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
+from meshy.recipes.colocation import engine_turns
 from meshy.recipes.context import RoleContext
 from meshy.recipes.engines import build_engine
 from meshy.recipes.pretrained import resolve
@@ -19,12 +21,13 @@ class TeacherRole:
 
     async def _serve(self) -> None:
         ctx, recipe = self.ctx, self.ctx.recipe
-        engine = build_engine(ctx, resolve(recipe.model.teacher))
-        service = TeacherService(
-            ctx.client, engine, TeacherServiceConfig(table=ctx.table, top_k=recipe.algorithm.teacher_topk)
-        )
+        engine = build_engine(ctx, resolve(recipe.model.teacher), colocate=ctx.slot.ring is not None)
+        turns = await engine_turns(ctx, engine)
+        config = TeacherServiceConfig(table=ctx.table, top_k=recipe.algorithm.teacher_topk)
+        service = TeacherService(ctx.client, engine, config, device_turn=turns.turn_async)
         try:
             await ctx.until_stopped(service.run)
+            await asyncio.to_thread(turns.close)
         finally:
             await engine.close()
         ctx.record("teacher", rows=service.rows, unscored=service.unscored)

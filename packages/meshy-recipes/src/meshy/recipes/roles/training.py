@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshy.dataplane import HOST, free_cached
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.colocation import join_ring, record_released
+from meshy.recipes.colocation import DeviceTurns, record_released
 from meshy.recipes.context import RoleContext, announce_stop
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
@@ -74,23 +73,22 @@ class TrainingRole:
         self.service.publish_initial()
         progress = Progress(ctx.run_dir, steps, self._metrics()) if self.lead else None
         ctx.record("train_start", version=self.service.version)
-        ring = join_ring(ctx, on_acquire=lambda _: offload.move(self.trainer, self.device), on_release=self._offload)
+        turns = DeviceTurns(ctx, on_acquire=lambda _: offload.move(self.trainer, self.device), on_release=self._offload)
+        if turns.ring is not None:
+            self._offload()  # until its first turn
         try:
             while self.service.version < steps:
                 start = time.perf_counter()
                 batch = self.service.wait_for_batch()
-                if ring is not None:
-                    ring.acquire(timeout=600)
-                record = self.service.train_batch(batch, waited=time.perf_counter() - start)
-                if ring is not None:
-                    ring.release(payload={"version": self.service.version})
+                with turns.turn() as turn:
+                    record = self.service.train_batch(batch, waited=time.perf_counter() - start)
+                    turn.payload = {"version": self.service.version}
                 if progress is not None:
                     progress.step(record)
                     ctx.record("version", version=record["version"], reward_mean=record.get("reward_mean"))
         finally:
             self.service.close()
-            if ring is not None:
-                ring.close()
+            turns.close()
         final = self._keep_final_weights()
         if self.lead:
             curve = progress.close()
@@ -131,8 +129,7 @@ class TrainingRole:
 
     def _offload(self) -> None:
         """Hand the devices over: the trainer's tensors to host memory, the freed memory to the driver."""
-        offload.move(self.trainer, HOST)
-        free_cached(self.device)
+        offload.hand_over(self.trainer, self.device)
         record_released(self.ctx)
 
     def _keep_final_weights(self) -> Path:
