@@ -92,6 +92,25 @@ def test_meshy_inspect_reports_what_each_process_kept_on_its_gpu_after_handing_i
     assert "rollout-0: handed" not in text
 
 
+def test_meshy_inspect_counts_device_turns_that_overlapped(tmp_path):
+    from meshy.recipes.inspect_run import report
+
+    (tmp_path / "records").mkdir()
+    ring = "training+critic-0"
+
+    def write(name: str, lines: list[dict]) -> None:
+        (tmp_path / "records" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    grant = {"kind": "grant", "time": 0.0, "ring": ring, "payload": None}
+    turn = {"kind": "device_turn", "time": 0.0, "ring": ring}
+    write("training-0", [{**grant, "seq": 1, "holder": "training"}, {**turn, "seq": 1, "start": 1.0, "end": 2.0}])
+    write("critic-0", [{**grant, "seq": 2, "holder": "critic"}, {**turn, "seq": 2, "start": 2.0, "end": 3.0}])
+    assert f"ring {ring}: 2 grants {{'training': 1, 'critic': 1}}" in report(tmp_path)
+    assert "  turns 2, overlapping 0" in report(tmp_path), "a turn may start as the one before ends"
+    write("critic-0", [{**grant, "seq": 2, "holder": "critic"}, {**turn, "seq": 2, "start": 1.5, "end": 3.0}])
+    assert "  turns 2, overlapping 1" in report(tmp_path)
+
+
 def test_meshy_inspect_counts_a_multi_turn_run_s_turns_tool_calls_errors_and_latency(tmp_path):
     from meshy.recipes.inspect_run import report
 

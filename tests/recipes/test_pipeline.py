@@ -1,7 +1,6 @@
 """End-to-end runs of the whole pipeline on CPU with `meshy run` (real torchrun, real processes)."""
 
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -152,37 +151,21 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
 
 def check_turns(run_dir: Path, ring: list[str]) -> dict[str, list[dict]]:
     """The ring's grants are numbered 1, 2, ... each taken once; every turn of an ON_DEMAND member ran
-    under a grant made to it, and no two turns overlapped in time. Each member's turns, by name."""
+    under a grant made to it, and `meshy inspect` finds no two turns that overlapped in time. Each
+    member's turns, by name."""
     grants = [r for role in ring for r in records(run_dir, f"{role}-0") if r["kind"] == "grant"]
     assert sorted(g["seq"] for g in grants) == list(range(1, len(grants) + 1)), "grants are contiguous, each taken once"
     holders = {g["seq"]: g["holder"] for g in grants}
-    turns = {role: [r for r in records(run_dir, f"{role}-0") if r["kind"] == "turn"] for role in ring}
+    turns = {role: [r for r in records(run_dir, f"{role}-0") if r["kind"] == "device_turn"] for role in ring}
     for role, taken in turns.items():
         assert all(holders[t["seq"]] == role for t in taken), f"{role} computed only under its own grants"
-    ordered = sorted((t["start"], t["end"], role) for role, taken in turns.items() for t in taken)
-    for before, after in itertools.pairwise(ordered):
-        assert before[1] <= after[0], f"{before[2]} and {after[2]} computed at once: {before}, {after}"
-    return turns
-
-
-def test_a_ring_of_training_inference_critic_and_reference_takes_turns_and_trains_every_row(tmp_path):
-    ring = ["training", "inference", "critic", "reference"]
-    recipe = small_recipe(
-        tmp_path,
-        "1",
-        top=f"colocate = [{ring}]\n".replace("'", '"'),
-        tail="\n[roles.critic]\nprocesses = 1\n\n[roles.reference]\nprocesses = 1\n",
+    audit = subprocess.run(
+        [sys.executable, "-m", "meshy.recipes.cli", "inspect", str(run_dir)], capture_output=True, text=True, timeout=60
     )
-    text = recipe.read_text().replace('kind = "grpo"', 'kind = "ppo"')
-    recipe.write_text(text.replace("[algorithm.loss]\n", "[algorithm.loss]\nkl_coef = 0.1\n"))
-    run_dir = run(recipe)
-    metrics = check_run(run_dir, 0)
-    assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), "values and ref_logprobs"
-    turns = check_turns(run_dir, ring)
-    assert len(turns["training"]) == STEPS
-    assert turns["critic"] and turns["reference"], "the critic and the reference computed in turns of their own"
-    assert records(run_dir, "critic-0")[-1]["valued"] >= STEPS * GROUPS * GROUP
-    assert records(run_dir, "reference-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
+    assert audit.returncode == 0, audit.stderr
+    line = next(line for line in audit.stdout.splitlines() if line.startswith(f"ring {'+'.join(ring)}-0: "))
+    assert line.endswith(f"  turns {sum(map(len, turns.values()))}, overlapping 0"), line
+    return turns
 
 
 def test_a_custom_role_from_a_test_module_writes_its_own_column(tmp_path):
@@ -196,20 +179,32 @@ def test_a_custom_role_from_a_test_module_writes_its_own_column(tmp_path):
     assert records(run_dir, "scorer-0")[-1]["rows"] >= STEPS * GROUPS * GROUP, "rows wait for the scorer's ack"
 
 
-def test_ppo_with_a_critic_values_every_row_and_trains_the_critic(tmp_path):
-    recipe = (
-        small_recipe(tmp_path, "1", tail="\n[roles.critic]\nprocesses = 1\n")
-        .read_text()
-        .replace('kind = "grpo"', 'kind = "ppo"')
+def test_ppo_with_a_critic_values_every_row_and_trains_the_critic_taking_turns_in_a_ring(tmp_path):
+    """The critic, and the reference the KL term needs, share the devices with training and inference:
+    each ON_DEMAND member computes only in turns of its own (the critic's path without a ring runs in the
+    multi-turn PPO test)."""
+    ring = ["training", "inference", "critic", "reference"]
+    recipe = small_recipe(
+        tmp_path,
+        "1",
+        top=f"colocate = [{ring}]\n".replace("'", '"'),
+        tail="\n[roles.critic]\nprocesses = 1\n\n[roles.reference]\nprocesses = 1\n",
     )
-    (tmp_path / "recipe.toml").write_text(recipe)
-    run_dir = run(tmp_path / "recipe.toml")
+    text = recipe.read_text().replace('kind = "grpo"', 'kind = "ppo"')
+    recipe.write_text(text.replace("[algorithm.loss]\n", "[algorithm.loss]\nkl_coef = 0.1\n"))
+    run_dir = run(recipe)
     metrics = check_run(run_dir, 0)
-    assert all(m["rows_trained"] == GROUPS * GROUP for m in metrics), "every row got values, returns, advantages"
+    assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), (
+        "every row got values, returns, advantages and ref_logprobs"
+    )
     critic = records(run_dir, "critic-0")
     assert critic[-1]["valued"] >= STEPS * GROUPS * GROUP
     steps = [r for r in critic if r["kind"] == "critic_step"]
     assert len(steps) >= STEPS - 1 and all(torch.isfinite(torch.tensor(r["value_loss"])) for r in steps)
+    assert records(run_dir, "reference-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
+    turns = check_turns(run_dir, ring)
+    assert len(turns["training"]) == STEPS
+    assert turns["critic"] and turns["reference"], "the critic and the reference computed in turns of their own"
 
 
 def test_dynamic_sampling_skips_whole_uniform_groups_and_counts_them_as_dropped(tmp_path):

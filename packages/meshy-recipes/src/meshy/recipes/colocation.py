@@ -65,8 +65,8 @@ class DeviceTurns:
     """An ON_DEMAND member's turns on its ring's devices (every turn a no-op when its role is not
     colocated). Inside `turn()`, the member holds the token, its state on its devices (on_acquire); at its
     end, on_release gives the memory back and the token goes on. A turn that raises keeps the token: the
-    process is failing, and the run with it. Each turn is recorded (`turn`: ring, grant seq, start, end),
-    so a run shows that members never computed at once."""
+    process is failing, and the run with it. Each turn is recorded (`device_turn`: ring, grant seq, start,
+    end), and `meshy inspect` counts turns that overlapped (members computing at once: none, ever)."""
 
     def __init__(self, ctx: RoleContext, on_acquire: Callable[[Grant], None], on_release: Callable[[], None]):
         self.ctx = ctx
@@ -97,7 +97,7 @@ class DeviceTurns:
     def _end(self, turn: Turn, start: float) -> None:
         end = time.time()
         self.ring.release(payload=turn.payload)
-        self.ctx.record("turn", ring=self.ring.ring, seq=turn.grant.seq, start=start, end=end)
+        self.ctx.record("device_turn", ring=self.ring.ring, seq=turn.grant.seq, start=start, end=end)
 
     def close(self) -> None:
         if self.ring is not None:

@@ -1,7 +1,9 @@
 """`meshy inspect RUN_DIR`: the control-stream audit and the staleness histogram, from a run's records;
 for a multi-turn run also its trajectories (turns, finish reasons) and tool calls (by name, errors by
-kind, latency); and the bytes moved between each node's processes and each node's storage units."""
+kind, latency); each GPU token ring's grants and its members' turns (overlapping ones counted: members
+computing at once); and the bytes moved between each node's processes and each node's storage units."""
 
+import itertools
 import json
 import statistics
 from collections import Counter
@@ -51,13 +53,21 @@ def report(run_dir: str | Path) -> str:
         for r in _lines(p)
         if r["kind"] == "grant"
     )
+    turns = [
+        (r["ring"], r["start"], r["end"])
+        for p in (run_dir / "records").glob("*.jsonl")
+        for r in _lines(p)
+        if r["kind"] == "device_turn"
+    ]
     for ring in sorted({g[1] for g in grants}):
         seqs = [seq for seq, name, _ in grants if name == ring]
         audit = _audit(seqs)
         holders = Counter(holder for _, name, holder in grants if name == ring)
+        spans = sorted((start, end) for name, start, end in turns if name == ring)
+        overlapping = sum(before[1] > after[0] for before, after in itertools.pairwise(spans))
         out.append(
             f"ring {ring}: {len(seqs)} grants {dict(holders)}  gaps {audit.gaps}  duplicates {audit.duplicates}"
-            f"  reordered {audit.reordered}"
+            f"  reordered {audit.reordered}  turns {len(spans)}, overlapping {overlapping}"
         )
     for path in sorted((run_dir / "records").glob("*.jsonl")):
         released = [r for r in _lines(path) if r["kind"] == "released"]
