@@ -21,6 +21,8 @@ fails or runs out of time is reported and the next one runs):
                     bfloat16, on a 32-expert tiny MoE and on a 4-layer qwen3-30b-a3b (128 experts, top 8)
   weight-sync       bench/weight_sync.py: qwen3-0.6b from a trainer on the GPU to a TorchEngine on the
                     same GPU over disk, shared memory and the collective (gloo through host buffers)
+  ring-ppo          the default recipe as PPO with KL to a reference, training, inference, critic and
+                    reference in one GPU ring: each member's turns, none overlapping, memory after release
 After every stage DIR holds summary.md and summary.json (figures and the tables the benches printed)
 and stages.log (every stage's whole output), so a check cut short still reports what it did.
 """
@@ -61,9 +63,21 @@ class Result:
     tables: list[str] = field(default_factory=list)
 
 
-def recipe(scratch: Path, *, steps: int, model: str | None, dtype: str, checkpointing: bool, gpu: bool) -> Path:
-    """The default recipe with training and inference colocated (on GPU 0 when `gpu`), in `scratch`."""
+RING = ("training", "inference")
+PPO_RING = ("training", "inference", "critic", "reference")  # PPO with KL to the reference policy
+
+
+def recipe(
+    scratch: Path, *, steps: int, model: str | None, dtype: str, checkpointing: bool, gpu: bool, ring=RING
+) -> Path:
+    """The default recipe with the roles of `ring` colocated (on GPU 0 when `gpu`), in `scratch`; a ring
+    with the critic and the reference makes it PPO with KL to the reference."""
     text = DEFAULT_RECIPE.read_text()
+    if ring == PPO_RING:
+        text = text.replace('kind = "grpo"', 'kind = "ppo"').replace(
+            "[algorithm.loss]\n", "[algorithm.loss]\nkl_coef = 0.1\n"
+        )
+        text += "\n[roles.critic]\nprocesses = 1\n\n[roles.reference]\nprocesses = 1\n"
     for key, value in (("steps", steps), ("run_dir", f'"{scratch / "runs"}"'), ("checkpoint_every", 0)):
         text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, count=1, flags=re.M)
     if model is not None:  # its full vocabulary: the task's 17 ids are the first of them
@@ -71,9 +85,9 @@ def recipe(scratch: Path, *, steps: int, model: str | None, dtype: str, checkpoi
     text = text.replace("[model]\n", f'[model]\ndtype = "{dtype}"\n')
     if checkpointing:
         text += '\n[algorithm.parallel]\nactivation_checkpoint = "full"\n'
-    text = 'colocate = [["training", "inference"]]\n' + text
+    text = f"colocate = [{list(ring)}]\n".replace("'", '"') + text
     if gpu:
-        for role in ("training", "inference"):
+        for role in ring:
             text = text.replace(
                 f"[roles.{role}]\nprocesses = 1", f"[roles.{role}]\nprocesses = 1\ndevices_per_process = 1"
             )
@@ -93,10 +107,13 @@ def run_figures(scratch: Path, output: str) -> dict:
         "s_per_version": (times[-1] - times[0]) / max(len(times) - 1, 1),
         "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
         "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
-        "audit_clean": re.search(r"(gaps|duplicates|reordered) \[[^\]]", output) is None,
+        "audit_clean": re.search(r"(gaps|duplicates|reordered) \[[^\]]|overlapping [1-9]", output) is None,
     }
-    for name in ("training-0", "inference-0"):
-        path = run_dir / "records" / f"{name}.jsonl"
+    turns = re.search(r"turns (\d+), overlapping (\d+)", output)
+    if turns:
+        figures["device_turns"], figures["device_turns_overlapping"] = int(turns[1]), int(turns[2])
+    for path in sorted((run_dir / "records").glob("*.jsonl")):
+        name = path.stem
         released = [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "released"]
         if released:
             figures[f"{name}_max_reserved_after_release_MiB"] = max(r["reserved"] for r in released) / 2**20
@@ -114,9 +131,11 @@ def stages(args: argparse.Namespace) -> list[Stage]:
     gpu = not cpu
     device = "cpu" if cpu else "cuda"
 
-    def run_recipe(steps: int, model: str | None, dtype: str, checkpointing: bool):
+    def run_recipe(steps: int, model: str | None, dtype: str, checkpointing: bool, ring=RING):
         def command(scratch: Path) -> list[list[str]]:
-            path = recipe(scratch, steps=steps, model=model, dtype=dtype, checkpointing=checkpointing, gpu=gpu)
+            path = recipe(
+                scratch, steps=steps, model=model, dtype=dtype, checkpointing=checkpointing, gpu=gpu, ring=ring
+            )
             run_root = scratch / "runs"
             return [[*MESHY, "run", str(path)], ["sh", "-c", f'{" ".join(MESHY)} inspect "$(ls -d {run_root}/*)"']]
 
@@ -196,6 +215,12 @@ def stages(args: argparse.Namespace) -> list[Stage]:
             ],
         ),
         Stage("weight-sync", 120, lambda scratch: [[bench[0], f"{bench[1]}/weight_sync.py", *weights]]),
+        Stage(
+            "ring-ppo",
+            120,
+            run_recipe(2 if cpu else 10, None, "float32", checkpointing=False, ring=PPO_RING),
+            run_figures,
+        ),
     ]
 
 

@@ -66,11 +66,13 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
             "ring-0.6b",
             "routing-replay",
             "weight-sync",
+            "ring-ppo",
         )
     ], summary
     assert code == 0
     assert "| qwen3-tiny | equal |" in markdown and "| meshy training service " in markdown
     assert "torch" in (tmp_path / "stages.log").read_text()
     runs = {s["name"]: s["figures"] for s in summary}
-    for name in ("default-colocated", "ring-0.6b"):
+    for name in ("default-colocated", "ring-0.6b", "ring-ppo"):
         assert runs[name]["versions_in_order"] and runs[name]["audit_clean"], runs[name]
+    assert runs["ring-ppo"]["device_turns"] > 2 and runs["ring-ppo"]["device_turns_overlapping"] == 0, runs["ring-ppo"]

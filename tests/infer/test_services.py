@@ -1,13 +1,16 @@
 """The inference, teacher and reference services against a live data plane, with the pure-torch engine."""
 
 import asyncio
+import contextlib
 import json
+import re
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from meshy.dataplane import SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import Published, resync_stream
@@ -329,3 +332,54 @@ def test_reference_writes_every_response_token_s_logprob_as_the_policy_it_was_pu
         assert torch.allclose(ref[row], expected, atol=1e-5), (ref[row], expected)
         assert kl_to_reference(expected[None], ref[row][None]).max() < 1e-8, "no KL to itself"
     assert ref[2].shape == ref[3].shape == (0,), "rows it cannot score get no entries, so training drops them"
+
+
+def test_a_scorer_leasing_in_bursts_scores_rows_arriving_apart_in_one_turn_and_takes_fewer_once_it_waited(
+    client, unique
+):
+    name = table(client, unique)
+    turns = []
+
+    @contextlib.asynccontextmanager
+    async def device_turn():
+        turns.append(len(turns))
+        yield
+
+    def arrive(rows: list[int]) -> None:
+        client.put(name, rows, {cols.PROMPT_IDS: [torch.tensor([5, 6, 7])] * len(rows)})
+        client.add_columns(name, rows, {cols.RESPONSE_IDS: [torch.tensor([8, 9])] * len(rows)})
+
+    def scorer(wait_s: float) -> ReferenceService:
+        config = ReferenceServiceConfig(table=name, rows_per_lease=4, burst_rows=4, burst_wait_s=wait_s)
+        return ReferenceService(client, e, config, device_turn=device_turn)
+
+    e = engine()
+
+    async def serve():
+        patient = scorer(wait_s=60.0)
+        scoring = asyncio.ensure_future(patient.run(max_rows=4))
+        arrive([0, 1])
+        await asyncio.sleep(1.0)
+        assert turns == [] and not scoring.done(), "two ready rows of a burst of four wait for the rest"
+        arrive([2, 3])
+        assert await asyncio.wait_for(scoring, timeout=60) == 4
+        assert len(turns) == 1, "the four rows were scored in one turn"
+        arrive([4, 5])
+        assert await asyncio.wait_for(scorer(wait_s=0.3).run(max_rows=2), timeout=60) == 2
+        assert len(turns) == 2, "after its wait, a scorer takes the two rows there are, in one turn"
+        await e.close()
+
+    asyncio.run(serve())
+
+
+@pytest.mark.parametrize(
+    "fields, error",
+    [
+        ({"rows_per_lease": 4, "burst_rows": 5}, "burst_rows: expected 1 <= burst_rows <= rows_per_lease (4), got 5"),
+        ({"burst_rows": 0}, "burst_rows: expected 1 <= burst_rows <= rows_per_lease (8), got 0"),
+        ({"burst_wait_s": -1.0}, "bursts wait_s: expected finite seconds >= 0, got -1.0"),
+    ],
+)
+def test_a_scorer_s_bad_bursts_are_refused_naming_the_field(fields, error):
+    with pytest.raises(SchemaError, match=re.escape(error)):
+        ReferenceServiceConfig(**fields)

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import subprocess
@@ -362,6 +363,25 @@ def test_critic_starts_at_the_mean_reward_and_learns_the_returns(client, unique)
     high = [m for m, r in zip(means, batch.row_ids, strict=True) if r % 2]
     low = [m for m, r in zip(means, batch.row_ids, strict=True) if not r % 2]
     assert min(high) > max(low), "values moved toward each row's return"  # both started at 0.52
+
+
+def test_a_critic_valuing_in_bursts_waits_for_the_burst_and_values_it_in_one_turn(client, unique):
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2)).name
+    backbone, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    turns = []
+
+    @contextlib.contextmanager
+    def device_turn():
+        turns.append(len(turns))
+        yield
+
+    config = CriticServiceConfig(table=table, rows_per_rank=8, burst_rows=4, burst_wait_s=60.0, batch_timeout_s=0.5)
+    trainer = CriticTrainer(ValueModel(backbone, ARCH.hidden_size, initial_value=0.5), OptimConfig(lr=1e-2))
+    service = CriticService(client, trainer, config, device_turn=device_turn)
+    put_groups(client, table, range(1), 2, ARCH.vocab_size)
+    assert service.write_values() == 0 and turns == [], "two ready rows of a burst of four wait for the rest"
+    put_groups(client, table, range(1, 2), 2, ARCH.vocab_size)
+    assert service.write_values() == 4 and len(turns) == 1, "the four rows were valued in one turn"
 
 
 def test_the_critic_of_multi_turn_rows_learns_only_at_the_policy_s_tokens(client, unique):

@@ -13,6 +13,7 @@ import importlib
 
 _EXPORTS = {
     "meshy.dataplane.audit": ["SequenceAudit"],
+    "meshy.dataplane.bursts": ["Bursts"],
     "meshy.dataplane.client": ["Batch", "DataPlaneClient", "StreamMessage", "StreamReader"],
     "meshy.dataplane.config": ["DataPlaneConfig"],
     "meshy.dataplane.devices": ["HOST", "free_cached"],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshy.dataplane import DataPlaneClient, SchemaError
+from meshy.dataplane import Bursts, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.infer.engine import Engine, Scores
@@ -27,11 +27,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ScoringConfig:
     """task/table: under which task, from which table, rows are leased (the task sees every row once).
-    rows_per_lease: the most rows leased, and scored concurrently, at a time."""
+    rows_per_lease: the most rows leased, and scored concurrently, at a time. burst_rows, burst_wait_s:
+    a lease waits for burst_rows ready rows, for up to burst_wait_s after the last one (a colocated
+    scorer takes the devices for each lease: meshy.dataplane.bursts); by default it takes any."""
 
     task: str
     table: str = "rollout"
     rows_per_lease: int = 8
+    burst_rows: int = 1
+    burst_wait_s: float = 0.0
     lease_s: float = 600.0
     poll_s: float = 0.2
 
@@ -39,6 +43,12 @@ class ScoringConfig:
         check_fields(self)
         if self.rows_per_lease < 1:
             raise SchemaError(f"{type(self).__name__}.rows_per_lease: expected >= 1, got {self.rows_per_lease}")
+        if not 1 <= self.burst_rows <= self.rows_per_lease:
+            raise SchemaError(
+                f"{type(self).__name__}.burst_rows: expected 1 <= burst_rows <= rows_per_lease "
+                f"({self.rows_per_lease}), got {self.burst_rows}"
+            )
+        Bursts(self.burst_rows, self.burst_wait_s)  # burst_wait_s: finite seconds >= 0
 
 
 class ScoringService(abc.ABC):
@@ -78,6 +88,7 @@ class ScoringService(abc.ABC):
     async def run(self, stop: asyncio.Event | None = None, max_rows: int | None = None) -> int:
         cfg = self.config
         stop = stop or asyncio.Event()
+        bursts = Bursts(cfg.burst_rows, cfg.burst_wait_s)
         while not stop.is_set() and (max_rows is None or self.rows < max_rows):
             batch = await asyncio.to_thread(
                 self.client.lease,
@@ -85,12 +96,13 @@ class ScoringService(abc.ABC):
                 cfg.task,
                 list(self.declared.reads),
                 count=cfg.rows_per_lease,
-                min_count=1,
+                min_count=bursts.min_count(),
                 lease_s=cfg.lease_s,
                 timeout=cfg.poll_s,
             )
             if batch is None:
                 continue
+            bursts.leased()
             async with self.device_turn():
                 scored = await asyncio.gather(  # in flight together: an engine that batches scores them at once
                     *(

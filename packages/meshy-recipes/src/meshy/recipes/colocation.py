@@ -18,6 +18,7 @@ from meshy.infer.engine import Engine
 from meshy.recipes.context import RoleContext
 
 TURN_TIMEOUT_S = 600.0  # an ON_DEMAND member waiting longer for the token stops the run, naming its holder
+BURST_WAIT_S = 2.0  # how long a colocated consumer waits for a training step's rows before taking fewer
 
 
 def join_ring(ctx: RoleContext, on_acquire, on_release) -> GpuTokenRing | None:
@@ -50,6 +51,16 @@ def record_released(ctx: RoleContext) -> None:
             allocated=torch.cuda.memory_allocated(device),
             reserved=torch.cuda.memory_reserved(device),
         )
+
+
+def step_burst(ctx: RoleContext) -> tuple[int, float]:
+    """(rows, seconds): a colocated role that leases rows to work on waits for its process's share of a
+    training step's rows, for up to BURST_WAIT_S after its last lease, before it takes the devices (one
+    turn per step, not one per few rows); (1, 0.0), any row at once, when the role is not colocated."""
+    if ctx.slot.ring is None:
+        return 1, 0.0
+    algo = ctx.recipe.algorithm
+    return max(1, algo.prompts_per_step * algo.group_size // ctx.slot.count), BURST_WAIT_S
 
 
 @dataclass

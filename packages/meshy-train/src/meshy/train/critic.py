@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, Batch, Bursts, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.train.config import OptimConfig
@@ -83,7 +83,9 @@ class CriticTrainer:
 @dataclass(frozen=True)
 class CriticServiceConfig:
     """policy_mask: rows are multi-turn trajectories; the critic learns only at the policy's tokens (the
-    observations between turns have no value target)."""
+    observations between turns have no value target). burst_rows, burst_wait_s: valuing waits for
+    burst_rows ready rows (at most rows_per_rank), for up to burst_wait_s after the last ones (a colocated
+    critic takes the devices for each forward: meshy.dataplane.bursts); by default it values any."""
 
     table: str = "rollout"
     values_task: str = cols.CRITIC_VALUES_TASK.name
@@ -93,9 +95,17 @@ class CriticServiceConfig:
     lease_s: float = 600.0
     batch_timeout_s: float = 60.0
     policy_mask: bool = False
+    burst_rows: int = 1
+    burst_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if not 1 <= self.burst_rows <= self.rows_per_rank:
+            raise SchemaError(
+                f"CriticServiceConfig.burst_rows: expected 1 <= burst_rows <= rows_per_rank ({self.rows_per_rank}), "
+                f"got {self.burst_rows}"
+            )
+        Bursts(self.burst_rows, self.burst_wait_s)  # burst_wait_s: finite seconds >= 0
 
 
 def _all_have(flag: bool) -> int:
@@ -123,6 +133,7 @@ class CriticService:
         self.config = config
         self.device = next(trainer.model.parameters()).device
         self.device_turn = device_turn
+        self._bursts = Bursts(config.burst_rows, config.burst_wait_s)
 
     def write_values(self, timeout: float | None = None) -> int:
         """Value the responses of rows that have none yet; returns the rows this rank wrote."""
@@ -132,10 +143,12 @@ class CriticService:
             cfg.values_task,
             list(cols.CRITIC_VALUES_TASK.reads),
             count=cfg.rows_per_rank,
-            min_count=1,
+            min_count=self._bursts.min_count(),
             lease_s=cfg.lease_s,
             timeout=cfg.batch_timeout_s if timeout is None else timeout,
         )
+        if batch is not None:
+            self._bursts.leased()
         if not _all_have(batch is not None):
             return 0
         with self.device_turn(), torch.no_grad():

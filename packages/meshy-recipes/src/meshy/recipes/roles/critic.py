@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from meshy.dataplane import HOST
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.colocation import DeviceTurns, record_released
+from meshy.recipes.colocation import DeviceTurns, record_released, step_burst
 from meshy.recipes.context import RoleContext
 from meshy.recipes.pretrained import load_init
 from meshy.train import checkpoint, offload
@@ -22,6 +22,7 @@ from meshy.train.parallel import build_model
 from meshy.train.trainer import reduce_over_ranks
 
 CHECKPOINTS = "critic_checkpoints"  # under the run directory, next to the policy's "checkpoints"
+ROWS_PER_FORWARD = 256  # the most rows a critic process values in one forward
 
 
 class CriticRole:
@@ -33,12 +34,15 @@ class CriticRole:
             arch, algo.parallel, device=ctx.slot.device, dtype=recipe.model.dtype, seed=recipe.seed
         )
         model = ValueModel(backbone, arch.hidden_size, algo.initial_value)
+        rows, wait_s = step_burst(ctx)
         config = CriticServiceConfig(
             table=ctx.table,
-            rows_per_rank=256,
+            rows_per_rank=ROWS_PER_FORWARD,
             groups_per_rank=algo.prompts_per_step // ctx.slot.count,
             batch_timeout_s=0.2,
             policy_mask=recipe.multi_turn,
+            burst_rows=min(rows, ROWS_PER_FORWARD),
+            burst_wait_s=wait_s,
         )
         trainer = CriticTrainer(model, algo.critic_optim, algo.value_clip)
         self.device = torch.device(ctx.slot.device)

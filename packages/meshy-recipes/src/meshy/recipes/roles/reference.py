@@ -5,7 +5,7 @@ into ref_logprobs, for the KL term of the loss (algorithm.loss.kl_coef), on the 
 import asyncio
 
 from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
-from meshy.recipes.colocation import engine_turns
+from meshy.recipes.colocation import engine_turns, step_burst
 from meshy.recipes.context import RoleContext
 from meshy.recipes.engines import build_engine
 from meshy.recipes.reference_weights import wait_for_reference
@@ -26,7 +26,13 @@ class ReferenceRole:
             return
         engine = build_engine(ctx, published, colocate=ctx.slot.ring is not None)
         turns = await engine_turns(ctx, engine)
-        config = ReferenceServiceConfig(table=ctx.table)
+        rows, wait_s = step_burst(ctx)
+        config = ReferenceServiceConfig(
+            table=ctx.table,
+            rows_per_lease=max(rows, ReferenceServiceConfig.rows_per_lease),
+            burst_rows=rows,
+            burst_wait_s=wait_s,
+        )
         service = ReferenceService(ctx.client, engine, config, device_turn=turns.turn_async)
         try:
             await ctx.until_stopped(service.run)

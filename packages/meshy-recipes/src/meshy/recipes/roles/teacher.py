@@ -5,7 +5,7 @@ ring's devices."""
 import asyncio
 
 from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
-from meshy.recipes.colocation import engine_turns
+from meshy.recipes.colocation import engine_turns, step_burst
 from meshy.recipes.context import RoleContext
 from meshy.recipes.engines import build_engine
 from meshy.recipes.pretrained import resolve
@@ -23,7 +23,14 @@ class TeacherRole:
         ctx, recipe = self.ctx, self.ctx.recipe
         engine = build_engine(ctx, resolve(recipe.model.teacher), colocate=ctx.slot.ring is not None)
         turns = await engine_turns(ctx, engine)
-        config = TeacherServiceConfig(table=ctx.table, top_k=recipe.algorithm.teacher_topk)
+        rows, wait_s = step_burst(ctx)
+        config = TeacherServiceConfig(
+            table=ctx.table,
+            top_k=recipe.algorithm.teacher_topk,
+            rows_per_lease=max(rows, TeacherServiceConfig.rows_per_lease),
+            burst_rows=rows,
+            burst_wait_s=wait_s,
+        )
         service = TeacherService(ctx.client, engine, config, device_turn=turns.turn_async)
         try:
             await ctx.until_stopped(service.run)
