@@ -377,7 +377,7 @@ def test_a_scorer_leasing_in_bursts_scores_rows_arriving_apart_in_one_turn_and_t
     [
         ({"rows_per_lease": 4, "burst_rows": 5}, "burst_rows: expected 1 <= burst_rows <= rows_per_lease (4), got 5"),
         ({"burst_rows": 0}, "burst_rows: expected 1 <= burst_rows <= rows_per_lease (8), got 0"),
-        ({"burst_wait_s": -1.0}, "bursts wait_s: expected finite seconds >= 0, got -1.0"),
+        ({"burst_wait_s": -1.0}, "ReferenceServiceConfig.burst_wait_s: expected finite seconds >= 0, got -1.0"),
     ],
 )
 def test_a_scorer_s_bad_bursts_are_refused_naming_the_field(fields, error):

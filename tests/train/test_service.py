@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -382,6 +383,18 @@ def test_a_critic_valuing_in_bursts_waits_for_the_burst_and_values_it_in_one_tur
     assert service.write_values() == 0 and turns == [], "two ready rows of a burst of four wait for the rest"
     put_groups(client, table, range(1, 2), 2, ARCH.vocab_size)
     assert service.write_values() == 4 and len(turns) == 1, "the four rows were valued in one turn"
+
+
+@pytest.mark.parametrize(
+    "fields, error",
+    [
+        ({"rows_per_rank": 8, "burst_rows": 9}, "burst_rows: expected 1 <= burst_rows <= rows_per_rank (8), got 9"),
+        ({"burst_wait_s": float("nan")}, "CriticServiceConfig.burst_wait_s: expected finite seconds >= 0, got nan"),
+    ],
+)
+def test_a_critic_s_bad_bursts_are_refused_naming_the_field(fields, error):
+    with pytest.raises(SchemaError, match=re.escape(error)):
+        CriticServiceConfig(**fields)
 
 
 def test_the_critic_of_multi_turn_rows_learns_only_at_the_policy_s_tokens(client, unique):

@@ -11,6 +11,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,7 +49,10 @@ class ScoringConfig:
                 f"{type(self).__name__}.burst_rows: expected 1 <= burst_rows <= rows_per_lease "
                 f"({self.rows_per_lease}), got {self.burst_rows}"
             )
-        Bursts(self.burst_rows, self.burst_wait_s)  # burst_wait_s: finite seconds >= 0
+        if not 0 <= self.burst_wait_s < math.inf:
+            raise SchemaError(
+                f"{type(self).__name__}.burst_wait_s: expected finite seconds >= 0, got {self.burst_wait_s}"
+            )
 
 
 class ScoringService(abc.ABC):

@@ -7,6 +7,7 @@ responses, and trains on the `returns` column (clipped value loss) once the adva
 """
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,7 +106,10 @@ class CriticServiceConfig:
                 f"CriticServiceConfig.burst_rows: expected 1 <= burst_rows <= rows_per_rank ({self.rows_per_rank}), "
                 f"got {self.burst_rows}"
             )
-        Bursts(self.burst_rows, self.burst_wait_s)  # burst_wait_s: finite seconds >= 0
+        if not 0 <= self.burst_wait_s < math.inf:
+            raise SchemaError(
+                f"CriticServiceConfig.burst_wait_s: expected finite seconds >= 0, got {self.burst_wait_s}"
+            )
 
 
 def _all_have(flag: bool) -> int:
