@@ -12,6 +12,7 @@ from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.train import checkpoint, offload
 from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
+from meshy.train.critic import CriticTrainer, ValueBatch, ValueModel
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
@@ -53,13 +54,36 @@ def test_offload_hands_the_trainer_s_memory_back_and_changes_nothing():
     held = torch.cuda.memory_reserved() - baseline
     with torch.no_grad():
         before = forward_logits(model, batch.tokens).to(HOST)
-    offload.move(trainer, HOST)
-    free_cached(CUDA)
+    offload.hand_over(trainer, CUDA)
     left = torch.cuda.memory_reserved() - baseline
     assert left <= held / 100, f"reserved {held / 2**30:.2f} GiB before offload, {left / 2**30:.3f} GiB after"
     offload.move(trainer, CUDA)
     with torch.no_grad():
         assert torch.equal(forward_logits(model, batch.tokens).to(HOST), before)
+    trainer.step(batch)
+
+
+def test_the_critic_hands_its_memory_back_and_changes_nothing():
+    """What a critic colocated in a ring does at the end of each turn (meshy.recipes.colocation)."""
+    arch = get_model("qwen3-0.6b")
+    free_cached(CUDA)
+    baseline = torch.cuda.memory_reserved()
+    backbone, _ = build_model(arch, ParallelConfig(activation_checkpoint="full"), device=CUDA, dtype="bfloat16")
+    critic = ValueModel(backbone, arch.hidden_size, initial_value=0.5)
+    trainer = CriticTrainer(critic, OptimConfig(lr=1e-5))
+    tokens = torch.randint(0, arch.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    mask = torch.ones(2, 64, device=CUDA)
+    batch = ValueBatch(tokens, mask, torch.rand(2, 64, device=CUDA), torch.full((2, 64), 0.5, device=CUDA))
+    trainer.step(batch)
+    held = torch.cuda.memory_reserved() - baseline
+    with torch.no_grad():
+        before = critic(tokens).to(HOST)
+    offload.hand_over(trainer, CUDA)
+    left = torch.cuda.memory_reserved() - baseline
+    assert left <= held / 100, f"reserved {held / 2**30:.2f} GiB before handing over, {left / 2**30:.3f} GiB after"
+    offload.move(trainer, CUDA)
+    with torch.no_grad():
+        assert torch.equal(critic(tokens).to(HOST), before)
     trainer.step(batch)
 
 
