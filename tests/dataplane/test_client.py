@@ -240,8 +240,10 @@ def test_stream_reader_waits_for_the_next_message(client, unique, dataplane, sec
     reader = client.reader(s, "r")
     assert reader.read(timeout=0.2) == []
     with DataPlaneClient(dataplane.endpoints, secret) as other:
-        threading.Timer(0.3, lambda: other.append(s, "go")).start()
+        timer = threading.Timer(0.3, lambda: other.append(s, "go"))
+        timer.start()
         got = reader.read(timeout=5)
+        timer.join(timeout=30)  # the reader may get the message before append has its reply: close after it
     assert [m.payload for m in got] == ["go"]
 
 
