@@ -2,6 +2,7 @@
 ring takes the devices from the others for every lease it works on, so leasing each row as soon as it is
 ready would hand the devices back and forth for every few rows."""
 
+import math
 import time
 
 from meshy.dataplane.errors import SchemaError
@@ -27,3 +28,13 @@ class Bursts:
     def leased(self) -> None:
         """A burst was leased: the next one waits for `rows` again."""
         self._last = time.monotonic()
+
+
+def check_burst_fields(config: object, limit: str) -> None:
+    """SchemaError naming the field unless `config`'s burst_rows lies in 1..its field `limit` (the most rows
+    one lease takes) and its burst_wait_s is finite seconds >= 0: what a config that feeds Bursts checks."""
+    owner, rows, most = type(config).__name__, config.burst_rows, getattr(config, limit)
+    if not 1 <= rows <= most:
+        raise SchemaError(f"{owner}.burst_rows: expected 1 <= burst_rows <= {limit} ({most}), got {rows}")
+    if not 0 <= config.burst_wait_s < math.inf:
+        raise SchemaError(f"{owner}.burst_wait_s: expected finite seconds >= 0, got {config.burst_wait_s}")

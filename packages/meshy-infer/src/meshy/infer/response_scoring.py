@@ -11,7 +11,6 @@ import abc
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 
 from meshy.dataplane import Bursts, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
+from meshy.dataplane.bursts import check_burst_fields
 from meshy.dataplane.fields import check_fields
 from meshy.infer.engine import Engine, Scores
 
@@ -44,15 +44,7 @@ class ScoringConfig:
         check_fields(self)
         if self.rows_per_lease < 1:
             raise SchemaError(f"{type(self).__name__}.rows_per_lease: expected >= 1, got {self.rows_per_lease}")
-        if not 1 <= self.burst_rows <= self.rows_per_lease:
-            raise SchemaError(
-                f"{type(self).__name__}.burst_rows: expected 1 <= burst_rows <= rows_per_lease "
-                f"({self.rows_per_lease}), got {self.burst_rows}"
-            )
-        if not 0 <= self.burst_wait_s < math.inf:
-            raise SchemaError(
-                f"{type(self).__name__}.burst_wait_s: expected finite seconds >= 0, got {self.burst_wait_s}"
-            )
+        check_burst_fields(self, "rows_per_lease")
 
 
 class ScoringService(abc.ABC):

@@ -7,7 +7,6 @@ responses, and trains on the `returns` column (clipped value loss) once the adva
 """
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import torch.nn as nn
 
 from meshy.dataplane import HOST, Batch, Bursts, DataPlaneClient, SchemaError
 from meshy.dataplane import rollout as cols
+from meshy.dataplane.bursts import check_burst_fields
 from meshy.dataplane.fields import check_fields
 from meshy.train.config import OptimConfig
 from meshy.train.logprobs import pack_rows
@@ -101,15 +101,7 @@ class CriticServiceConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if not 1 <= self.burst_rows <= self.rows_per_rank:
-            raise SchemaError(
-                f"CriticServiceConfig.burst_rows: expected 1 <= burst_rows <= rows_per_rank ({self.rows_per_rank}), "
-                f"got {self.burst_rows}"
-            )
-        if not 0 <= self.burst_wait_s < math.inf:
-            raise SchemaError(
-                f"CriticServiceConfig.burst_wait_s: expected finite seconds >= 0, got {self.burst_wait_s}"
-            )
+        check_burst_fields(self, "rows_per_rank")
 
 
 def _all_have(flag: bool) -> int:
