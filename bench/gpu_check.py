@@ -16,7 +16,8 @@ fails or runs out of time is reported and the next one runs):
                     figures above: compiling at 0.6B size takes minutes on a fresh host)
   default-colocated the default recipe, training and inference colocated on the GPU (token ring)
   ring-0.6b         a qwen3-0.6b-shaped run through the ring: bfloat16, activation checkpointing,
-                    release/onload at a real size (what each process still holds after releasing)
+                    release/onload at a real size (what each process still holds after releasing, and
+                    what the GPU had free as each got the token: its build's grant included)
   routing-replay    bench/routing_replay.py: the importance ratio's spread with and without routing replay,
                     bfloat16, on a 32-expert tiny MoE and on a 4-layer qwen3-30b-a3b (128 experts, top 8)
   weight-sync       bench/weight_sync.py: qwen3-0.6b from a trainer on the GPU to a TorchEngine on the
@@ -97,7 +98,8 @@ def recipe(
 
 
 def run_figures(scratch: Path, output: str) -> dict:
-    """Versions, time per version, rewards and what the ring's processes held after releasing."""
+    """Versions, time per version, rewards, what the ring's processes held after releasing, and what the
+    GPU had free as each got it."""
     (run_dir,) = (scratch / "runs").iterdir()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times, rewards = [m["time"] for m in metrics], [m["reward_mean"] for m in metrics]
@@ -113,11 +115,14 @@ def run_figures(scratch: Path, output: str) -> dict:
     if turns:
         figures["device_turns"], figures["device_turns_overlapping"] = int(turns[1]), int(turns[2])
     for path in sorted((run_dir / "records").glob("*.jsonl")):
-        name = path.stem
-        released = [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "released"]
+        name, lines = path.stem, [json.loads(line) for line in path.read_text().splitlines()]
+        released = [r for r in lines if r["kind"] == "released"]
         if released:
             figures[f"{name}_max_reserved_after_release_MiB"] = max(r["reserved"] for r in released) / 2**20
             figures[f"{name}_releases"] = len(released)
+        free = [r["free"] for r in lines if r["kind"] == "grant" and r.get("free") is not None]
+        if free:  # what the devices had free as this member got them (its build's grant included)
+            figures[f"{name}_least_free_at_grant_GiB"] = min(free) / 2**30
     return figures
 
 

@@ -128,9 +128,10 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
     run_dir = run(small_recipe(tmp_path, "1", top='colocate = [["training", "inference"]]\n'))
     check_run(run_dir, 0)
     grants = [r for name in ("training-0", "inference-0") for r in records(run_dir, name) if r["kind"] == "grant"]
-    seqs = sorted(g["seq"] for g in grants)
-    assert seqs == list(range(1, len(seqs) + 1)), "grants are contiguous and each taken once"
-    assert sum(g["holder"] == "training" for g in grants) == STEPS  # the trainer held the devices for each step
+    turns = check_turns(run_dir, ["training", "inference"])
+    # the trainer held the devices to build, to publish version 0, and for each step
+    assert sum(g["holder"] == "training" for g in grants) == len(turns["training"]) == STEPS + 2
+    assert [t["what"] for t in turns["inference"]] == ["build"], "inference holds the devices by default"
     assert all(g["payload"]["version"] >= 1 for g in grants if g["holder"] == "inference" and g["payload"])
     audit = subprocess.run(
         [sys.executable, "-m", "meshy.recipes.cli", "inspect", str(run_dir)], capture_output=True, text=True, timeout=60
@@ -140,7 +141,7 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
     assert (
         f"weights versions trained and published: {STEPS} (v1..v{STEPS})  gaps []  duplicates []  reordered []" in lines
     )
-    assert f"'training': {STEPS}" in next(line for line in lines if line.startswith("ring "))
+    assert f"'training': {STEPS + 2}" in next(line for line in lines if line.startswith("ring "))
     assert re.search(
         r"^staleness of policy tokens as they reached training \(versions behind; [^)]*\): 0: \d+ \(100\.0%\)$",
         audit.stdout,
@@ -150,15 +151,19 @@ def test_colocated_training_and_inference_pass_the_token_and_stay_on_policy(tmp_
 
 
 def check_turns(run_dir: Path, ring: list[str]) -> dict[str, list[dict]]:
-    """The ring's grants are numbered 1, 2, ... each taken once; every turn of an ON_DEMAND member ran
-    under a grant made to it, and `meshy inspect` finds no two turns that overlapped in time. Each
-    member's turns, by name."""
+    """The ring's grants are numbered 1, 2, ... each taken once; every turn of a member ran under a grant
+    made to it, the first of them its build (inference's engine, an ON_DEMAND member's model), and `meshy
+    inspect` finds no two turns that overlapped in time. Each member's turns, by name."""
     grants = [r for role in ring for r in records(run_dir, f"{role}-0") if r["kind"] == "grant"]
     assert sorted(g["seq"] for g in grants) == list(range(1, len(grants) + 1)), "grants are contiguous, each taken once"
     holders = {g["seq"]: g["holder"] for g in grants}
     turns = {role: [r for r in records(run_dir, f"{role}-0") if r["kind"] == "device_turn"] for role in ring}
     for role, taken in turns.items():
         assert all(holders[t["seq"]] == role for t in taken), f"{role} computed only under its own grants"
+        first = min(taken, key=lambda t: t["start"])
+        assert [t["what"] for t in taken].count("build") == 1 and first["what"] == "build", (
+            f"{role} built its state on the devices in a turn of its own, before any other turn"
+        )
     audit = subprocess.run(
         [sys.executable, "-m", "meshy.recipes.cli", "inspect", str(run_dir)], capture_output=True, text=True, timeout=60
     )
@@ -203,7 +208,7 @@ def test_ppo_with_a_critic_values_every_row_and_trains_the_critic_taking_turns_i
     assert len(steps) >= STEPS - 1 and all(torch.isfinite(torch.tensor(r["value_loss"])) for r in steps)
     assert records(run_dir, "reference-0")[-1]["rows"] >= STEPS * GROUPS * GROUP
     turns = check_turns(run_dir, ring)
-    assert len(turns["training"]) == STEPS
+    assert [t["what"] for t in turns["training"]].count("compute") == STEPS + 1, "version 0, then each step"
     assert turns["critic"] and turns["reference"], "the critic and the reference computed in turns of their own"
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from meshy.dataplane import HOST
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.colocation import DeviceTurns, record_released, step_burst
+from meshy.recipes.colocation import BUILD, DeviceTurns, record_released, step_burst
 from meshy.recipes.context import RoleContext
 from meshy.recipes.pretrained import load_init
 from meshy.train import checkpoint, offload
@@ -30,10 +30,6 @@ class CriticRole:
         self.ctx = ctx
         recipe, algo = ctx.recipe, ctx.recipe.algorithm
         arch = recipe.model.arch()
-        backbone, _ = build_model(
-            arch, algo.parallel, device=ctx.slot.device, dtype=recipe.model.dtype, seed=recipe.seed
-        )
-        model = ValueModel(backbone, arch.hidden_size, algo.initial_value)
         rows, wait_s = step_burst(ctx)
         config = CriticServiceConfig(
             table=ctx.table,
@@ -44,15 +40,20 @@ class CriticRole:
             burst_rows=min(rows, ROWS_PER_FORWARD),
             burst_wait_s=wait_s,
         )
-        trainer = CriticTrainer(model, algo.critic_optim, algo.value_clip)
         self.device = torch.device(ctx.slot.device)
-        self.turns = DeviceTurns(ctx, on_acquire=lambda _: offload.move(trainer, self.device), on_release=self._offload)
-        self.service = CriticService(ctx.client, trainer, config, device_turn=self.turns.turn)
-        self.saved_version = self._restore()
-        if self.saved_version == 0:
-            load_init(backbone, arch, recipe.model.init)
-        if self.turns.ring is not None:
-            self._offload()  # until its first turn
+        self.turns = DeviceTurns(
+            ctx, on_acquire=lambda _: offload.move(self.service.trainer, self.device), on_release=self._offload
+        )
+        with self.turns.turn(BUILD):
+            backbone, _ = build_model(
+                arch, algo.parallel, device=self.device, dtype=recipe.model.dtype, seed=recipe.seed
+            )
+            model = ValueModel(backbone, arch.hidden_size, algo.initial_value)
+            trainer = CriticTrainer(model, algo.critic_optim, algo.value_clip)
+            self.service = CriticService(ctx.client, trainer, config, device_turn=self.turns.turn)
+            self.saved_version = self._restore()
+            if self.saved_version == 0:
+                load_init(backbone, arch, recipe.model.init)
 
     def _offload(self) -> None:
         offload.hand_over(self.service.trainer, self.device)

@@ -1,31 +1,40 @@
 """The inference role: a generation engine behind the inference service, loading each new version."""
 
 import asyncio
+import dataclasses
 
+from meshy.dataplane import GpuTokenRing
 from meshy.dataplane.model_source import ModelSource
 from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, Published
+from meshy.infer.engine import Engine
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
-from meshy.recipes.colocation import join_ring, record_released
+from meshy.recipes.colocation import build_holding_token, join_ring, record_released
 from meshy.recipes.context import RoleContext
 from meshy.recipes.dataflow import TURNS
 from meshy.recipes.engines import build_engine
+
+POLL_S = 0.2  # how often the FALLBACK member looks whether another member waits for the devices
 
 
 class InferenceRole:
     def __init__(self, ctx: RoleContext):
         self.ctx = ctx
+        self.engine: Engine | None = None  # built once the first weights are announced
 
     def run(self) -> None:
         self.ctx.watch_for_stop()
         asyncio.run(self._serve())
 
-    def _first_weights(self) -> tuple[int, ModelSource] | None:
+    def _first_weights(self, ring: GpuTokenRing | None) -> tuple[int, ModelSource] | None:
         """The first version announced, and where to read it; a broadcast version is received here (every
-        broadcast is joined, in order: the publisher waits for every engine)."""
+        broadcast is joined, in order: the publisher waits for every engine). Colocated, the token goes on
+        meanwhile to every member that asks for it (training builds and publishes in its turns)."""
         reader = self.ctx.client.reader(WEIGHTS_STREAM, f"inference-{self.ctx.slot.index}-start", start=1)
         try:
             while not self.ctx.stop.is_set():
-                messages = reader.read(max_n=1024, timeout=1.0)
+                if ring is not None:
+                    ring.poll()
+                messages = reader.read(max_n=1024, timeout=POLL_S)
                 for message in messages:
                     published = Published.from_message(message.payload)
                     collective = published.format == COLLECTIVE
@@ -36,37 +45,59 @@ class InferenceRole:
         finally:
             reader.close()
 
-    async def _share_devices(self, engine, stop: asyncio.Event) -> None:
+    async def _join_ring(self) -> GpuTokenRing | None:
         """As the ring's FALLBACK member: hand the devices over when asked (pause, release memory) and
-        take them back when the token returns (onload, resume)."""
+        take them back when the token returns (onload, resume); until the engine is built, there is
+        nothing to hand over."""
         loop = asyncio.get_running_loop()
 
         def run(coroutine) -> None:
             asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=120)
 
         async def give() -> None:
-            await engine.pause()
-            await engine.release()
-            record_released(self.ctx)
+            if self.engine is not None:
+                await self.engine.pause()
+                await self.engine.release()
+                record_released(self.ctx)
 
         async def take() -> None:
-            await engine.onload()
-            await engine.resume()
+            if self.engine is not None:
+                await self.engine.onload()
+                await self.engine.resume()
 
-        ring = await asyncio.to_thread(join_ring, self.ctx, lambda _: run(take()), lambda: run(give()))
-        if ring is None:
-            return
+        return await asyncio.to_thread(join_ring, self.ctx, lambda _: run(take()), lambda: run(give()))
+
+    @staticmethod
+    async def _share_devices(ring: GpuTokenRing, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await asyncio.to_thread(ring.poll, 0.2)
-        await asyncio.to_thread(ring.close)
+            await asyncio.to_thread(ring.poll, POLL_S)
 
     async def _serve(self) -> None:
+        ring = await self._join_ring()
+        try:
+            stats = await self._serve_in(ring)
+        finally:
+            if ring is not None:  # the token goes on while the engine can still give its memory back
+                await asyncio.to_thread(ring.close)
+            if self.engine is not None:
+                await self.engine.close()
+        if stats is not None:
+            self.ctx.record("inference", **dataclasses.asdict(stats))
+
+    async def _serve_in(self, ring: GpuTokenRing | None) -> InferenceStats | None:
+        """Serve until the run stops: its statistics, or None if it stopped before the engine was built."""
         ctx, sampling = self.ctx, self.ctx.recipe.sampling
-        first = await asyncio.to_thread(self._first_weights)
+        first = await asyncio.to_thread(self._first_weights, ring)
         if first is None:
-            return
+            return None
         version, source = first
-        engine = build_engine(ctx, source, colocate=ctx.slot.ring is not None, version=version)
+        colocated = ctx.slot.ring is not None
+        self.engine = await build_holding_token(
+            ctx, ring, lambda: build_engine(ctx, source, colocate=colocated, version=version)
+        )
+        if self.engine is None:
+            return None
+        engine = self.engine
         multi_turn = ctx.recipe.multi_turn
         config = InferenceServiceConfig(
             table=TURNS if multi_turn else ctx.table,
@@ -84,25 +115,12 @@ class InferenceRole:
         service = InferenceService(ctx.client, engine, config, weight_sync=ctx.weight_sync)
 
         async def serve(stop: asyncio.Event) -> InferenceStats:
-            sharing = asyncio.create_task(self._share_devices(engine, stop))
+            sharing = asyncio.create_task(self._share_devices(ring, stop)) if ring is not None else None
             try:
                 return await service.run(stop)
             finally:
                 stop.set()  # the ring member stops with the service, however it ended
-                await sharing
+                if sharing is not None:
+                    await sharing
 
-        try:
-            stats = await ctx.until_stopped(serve)
-        finally:
-            await engine.close()
-        ctx.record(
-            "inference",
-            rows=stats.rows,
-            errors=stats.errors,
-            tokens=stats.tokens,
-            weight_updates=stats.weight_updates,
-            continued=stats.continued,
-            versions=stats.versions,
-            busy_s=stats.busy_s,
-            failed_loads=stats.failed_loads,
-        )
+        return await ctx.until_stopped(serve)

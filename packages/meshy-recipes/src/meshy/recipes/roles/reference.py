@@ -24,8 +24,8 @@ class ReferenceRole:
         published = await asyncio.to_thread(wait_for_reference, ctx)
         if published is None:
             return
-        engine = build_engine(ctx, published, colocate=ctx.slot.ring is not None)
-        turns = await engine_turns(ctx, engine)
+        colocated = ctx.slot.ring is not None
+        engine, turns = await engine_turns(ctx, lambda: build_engine(ctx, published, colocate=colocated))
         rows, wait_s = step_burst(ctx)
         config = ReferenceServiceConfig(
             table=ctx.table,

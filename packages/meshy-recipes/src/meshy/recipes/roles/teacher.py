@@ -21,8 +21,8 @@ class TeacherRole:
 
     async def _serve(self) -> None:
         ctx, recipe = self.ctx, self.ctx.recipe
-        engine = build_engine(ctx, resolve(recipe.model.teacher), colocate=ctx.slot.ring is not None)
-        turns = await engine_turns(ctx, engine)
+        teacher, colocated = resolve(recipe.model.teacher), ctx.slot.ring is not None
+        engine, turns = await engine_turns(ctx, lambda: build_engine(ctx, teacher, colocate=colocated))
         rows, wait_s = step_burst(ctx)
         config = TeacherServiceConfig(
             table=ctx.table,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.colocation import DeviceTurns, record_released
+from meshy.recipes.colocation import BUILD, DeviceTurns, record_released
 from meshy.recipes.context import RoleContext, announce_stop
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
@@ -28,10 +28,11 @@ class TrainingRole:
         self.ctx = ctx
         recipe, algo = ctx.recipe, ctx.recipe.algorithm
         self.arch = recipe.model.arch()
-        self.device = torch.device(ctx.slot.device)
-        model, _ = build_model(self.arch, algo.parallel, device=self.device, dtype=recipe.model.dtype, seed=recipe.seed)
-        self.trainer = PolicyTrainer(model, algo.optim, algo.loss)
-        dtype = recipe.model.dtype
+        self.device, dtype = torch.device(ctx.slot.device), recipe.model.dtype
+        self.turns = DeviceTurns(ctx, lambda _: offload.move(self.trainer, self.device), self._offload)
+        with self.turns.turn(BUILD):
+            model, _ = build_model(self.arch, algo.parallel, device=self.device, dtype=dtype, seed=recipe.seed)
+            self.trainer = PolicyTrainer(model, algo.optim, algo.loss)
         if recipe.publish == "shared-memory":
             publisher = SharedMemoryPublisher(f"meshy-{ctx.run_dir.name}", self.arch, ctx.client, dtype=dtype)
         elif recipe.publish == "collective":
@@ -66,16 +67,14 @@ class TrainingRole:
         self.lead = ctx.slot.index == 0
 
     def run(self) -> None:
-        ctx, steps = self.ctx, self.ctx.recipe.steps
-        self.service.version = self._restore()
-        if ctx.recipe.roles.reference is not None:
-            publish_reference(ctx, self.trainer.model, self.arch, self.service.version)
-        self.service.publish_initial()
+        ctx, steps, turns = self.ctx, self.ctx.recipe.steps, self.turns
+        with turns.turn():
+            self.service.version = self._restore()
+            if ctx.recipe.roles.reference is not None:
+                publish_reference(ctx, self.trainer.model, self.arch, self.service.version)
+            self.service.publish_initial()
         progress = Progress(ctx.run_dir, steps, self._metrics()) if self.lead else None
         ctx.record("train_start", version=self.service.version)
-        turns = DeviceTurns(ctx, on_acquire=lambda _: offload.move(self.trainer, self.device), on_release=self._offload)
-        if turns.ring is not None:
-            self._offload()  # until its first turn
         try:
             while self.service.version < steps:
                 start = time.perf_counter()
