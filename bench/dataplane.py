@@ -21,7 +21,7 @@ from transfer_queue import TransferQueueClient
 from transfer_queue.utils.enum_utils import Role
 from transfer_queue.utils.zmq_utils import ZMQServerInfo
 
-from meshy.dataplane import Column, DataPlaneClient, DataPlaneConfig, DataPlaneServer, TableSpec, new_secret
+from meshy.dataplane import HOST, Column, DataPlaneClient, DataPlaneConfig, DataPlaneServer, TableSpec, new_secret
 
 SEQ = 4096
 ROWS = 1024
@@ -29,8 +29,8 @@ SCALARS = ("reward", "advantage", "version")
 
 
 def make_rows(n: int) -> dict[str, torch.Tensor]:
-    rows = {"tokens": torch.randint(0, 150_000, (n, SEQ)), "logprobs": torch.randn(n, SEQ)}
-    rows.update({s: torch.randn(n) for s in SCALARS})
+    rows = {"tokens": torch.randint(0, 150_000, (n, SEQ), device=HOST), "logprobs": torch.randn(n, SEQ, device=HOST)}
+    rows.update({s: torch.randn(n, device=HOST) for s in SCALARS})
     return rows
 
 
