@@ -114,15 +114,14 @@ def run_figures(scratch: Path, output: str) -> dict:
     turns = re.search(r"turns (\d+), overlapping (\d+)", output)
     if turns:
         figures["device_turns"], figures["device_turns_overlapping"] = int(turns[1]), int(turns[2])
+    for name, least in re.findall(r"^(\S+): got its GPU \d+ times, finding at least ([\d.]+) GiB free$", output, re.M):
+        figures[f"{name}_least_free_at_grant_GiB"] = float(least)  # its build's grant included
     for path in sorted((run_dir / "records").glob("*.jsonl")):
-        name, lines = path.stem, [json.loads(line) for line in path.read_text().splitlines()]
-        released = [r for r in lines if r["kind"] == "released"]
+        name = path.stem
+        released = [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "released"]
         if released:
             figures[f"{name}_max_reserved_after_release_MiB"] = max(r["reserved"] for r in released) / 2**20
             figures[f"{name}_releases"] = len(released)
-        free = [r["free"] for r in lines if r["kind"] == "grant" and r.get("free") is not None]
-        if free:  # what the devices had free as this member got them (its build's grant included)
-            figures[f"{name}_least_free_at_grant_GiB"] = min(free) / 2**30
     return figures
 
 

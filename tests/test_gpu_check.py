@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benches import load_bench
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
 
@@ -76,3 +78,17 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
     for name in ("default-colocated", "ring-0.6b", "ring-ppo"):
         assert runs[name]["versions_in_order"] and runs[name]["audit_clean"], runs[name]
     assert runs["ring-ppo"]["device_turns"] > 2 and runs["ring-ppo"]["device_turns_overlapping"] == 0, runs["ring-ppo"]
+
+
+def test_a_ring_run_s_figures_carry_the_least_gpu_memory_each_member_found_free(tmp_path):
+    """On a GPU, `meshy inspect` says how much each ring member found free as it got the token; the
+    check carries it per process (on the CPU there is no such line, and no such figure)."""
+    run_dir = tmp_path / "runs" / "run-1"
+    (run_dir / "records").mkdir(parents=True)
+    metrics = [{"version": v, "time": float(v), "reward_mean": 0.5} for v in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    inspected = "ring training+inference-0: 5 grants  turns 5, overlapping 0\n"
+    gpu = inspected + "inference-0: got its GPU 3 times, finding at least 131.25 GiB free\n"
+    figures = load_bench("gpu_check").run_figures(tmp_path, gpu)
+    assert figures["inference-0_least_free_at_grant_GiB"] == 131.25 and figures["device_turns"] == 5
+    assert not any("free" in name for name in load_bench("gpu_check").run_figures(tmp_path, inspected))

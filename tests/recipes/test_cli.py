@@ -109,6 +109,17 @@ def test_meshy_inspect_counts_device_turns_that_overlapped(tmp_path):
     assert "  turns 2, overlapping 0" in report(tmp_path), "a turn may start as the one before ends"
     write("critic-0", [{**grant, "seq": 2, "holder": "critic"}, {**turn, "seq": 2, "start": 1.5, "end": 3.0}])
     assert "  turns 2, overlapping 1" in report(tmp_path)
+    assert "got its GPU" not in report(tmp_path), "grants on the CPU say nothing of free memory"
+
+
+def test_meshy_inspect_reports_the_least_gpu_memory_a_member_found_free_as_it_got_the_token(tmp_path):
+    from meshy.recipes.inspect_run import report
+
+    (tmp_path / "records").mkdir()
+    grant = {"kind": "grant", "time": 0.0, "ring": "training+inference-0", "payload": None, "holder": "inference"}
+    lines = [{**grant, "seq": 1, "free": 120 * 2**30}, {**grant, "seq": 3, "free": 96 * 2**30 + 2**29}]
+    (tmp_path / "records" / "inference-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert "inference-0: got its GPU 2 times, finding at least 96.50 GiB free" in report(tmp_path).splitlines()
 
 
 def test_meshy_inspect_counts_a_multi_turn_run_s_turns_tool_calls_errors_and_latency(tmp_path):

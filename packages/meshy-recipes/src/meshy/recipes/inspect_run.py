@@ -70,7 +70,11 @@ def report(run_dir: str | Path) -> str:
             f"  reordered {audit.reordered}  turns {len(spans)}, overlapping {overlapping}"
         )
     for path in sorted((run_dir / "records").glob("*.jsonl")):
-        released = [r for r in _lines(path) if r["kind"] == "released"]
+        lines = _lines(path)
+        free = [r["free"] for r in lines if r["kind"] == "grant" and r.get("free") is not None]
+        if free:
+            out.append(f"{path.stem}: got its GPU {len(free)} times, finding at least {min(free) / 2**30:.2f} GiB free")
+        released = [r for r in lines if r["kind"] == "released"]
         if released:
             most = max(r["reserved"] for r in released) / 2**20
             out.append(
