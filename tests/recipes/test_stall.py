@@ -2,10 +2,13 @@
 
 import json
 import re
+import threading
 import time
 
+import pytest
 import torch
 
+from meshy.dataplane import FALLBACK, ON_DEMAND, DataPlaneClient, GpuTokenRing
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.devices import HOST
 from meshy.recipes.watchdog import Watchdog
@@ -54,3 +57,27 @@ def test_the_stall_report_names_the_columns_rows_wait_for_and_each_role_s_last_r
     assert "\n    1 rows waiting for response_ids, rollout_logprobs, token_versions, advantage, reward" in waits
     assert "\n    2 rows waiting for rollout_logprobs, token_versions, advantage, reward" in waits
     assert re.search(r'scorer-0: last record 1[12]\d s ago: \{"kind": "scoring", "rows": 2\}', report), report
+
+
+def test_the_stall_report_says_who_holds_each_gpu_token_and_who_waits(client, dataplane, secret, unique, tmp_path):
+    """A run stuck in a ring (a member that keeps the devices, say an engine hung in its turn) shows as
+    the token's holder, how long it has held it, and the members waiting."""
+    ring, members = unique("ring"), [("inference", FALLBACK), ("training", ON_DEMAND)]
+    inference = GpuTokenRing(client, ring, "inference", members)  # declared: the FALLBACK member holds it
+    with DataPlaneClient(dataplane.endpoints, secret, name="training") as other:
+        training = GpuTokenRing(other, ring, "training", members)
+        asking = threading.Thread(target=training.acquire, args=(30,))
+        asking.start()
+        deadline = time.monotonic() + 10
+        while client.rings_waiting()[ring]["pending"] != ["training"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = Watchdog(client, [], tmp_path, stall_after_s=60).report()
+        line = rf"^  ring {ring}: held by inference for \d+ s \(grant 1\); waiting: training$"
+        assert re.search(line, report, re.M), report
+        inference.poll()  # hands the token on
+        asking.join(timeout=10)
+        assert training.holding and client.rings_waiting()[ring]["holder"] == "training"
+        training.close()
+    inference.close()
+    back = client.rings_waiting()[ring]  # training's close handed the token back to the FALLBACK member
+    assert back == {"holder": "inference", "seq": 3, "held_s": pytest.approx(0, abs=5), "pending": []}

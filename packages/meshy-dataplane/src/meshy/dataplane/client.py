@@ -374,6 +374,11 @@ class DataPlaneClient:
         """Per task: units ready, leases held (consumer, rows, seconds held), rows missing which columns."""
         return self._call("table_waiting", {"table": table})
 
+    def rings_waiting(self) -> dict:
+        """Per GPU token ring: its holder (None: nobody), the grant's number, seconds since the token last
+        changed hands, and the members waiting for it, in order."""
+        return self._call("rings_waiting", {})
+
     # ---- control streams ----------------------------------------------------------------------
     def append(self, stream: str, payload: Any) -> int:
         """Append one message (any msgpack-able value); returns its sequence number."""

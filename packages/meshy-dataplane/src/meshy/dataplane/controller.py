@@ -462,6 +462,10 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         return self._stream(args["stream"]).stats()
 
     # ---- operations: GPU token rings ----------------------------------------------------------
+    def _op_rings_waiting(self, args: dict, identity: Any, request_id: int) -> dict:
+        now = time.monotonic()
+        return {name: ring.waiting(now) for name, ring in self._rings.items()}
+
     def _op_ring_declare(self, args: dict, identity: Any, request_id: int) -> dict:
         name = args["ring"]
         members = [(m, mode) for m, mode in args["members"]]

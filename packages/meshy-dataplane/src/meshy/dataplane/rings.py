@@ -5,6 +5,7 @@ whenever it is released and nobody is waiting (the first FALLBACK in member orde
 1, 2, 3, ... with no gaps; the controller appends each to the ring's ledger stream.
 """
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class RingState:
         self.grant: GrantRecord | None = None
         self.pending: deque[str] = deque()
         self._parked = b""  # payload of a release nobody received yet; goes with the next grant
+        self.granted_at = time.monotonic()  # when the token last changed hands
 
     def start(self) -> GrantRecord | None:
         """The first grant, to the first FALLBACK member, if there is one."""
@@ -61,6 +63,7 @@ class RingState:
         self.seq += 1
         self.grant = GrantRecord(self.seq, member, self.holder, payload)
         self.holder = member
+        self.granted_at = time.monotonic()
         return self.grant
 
     def check_member(self, member: str) -> None:
@@ -91,6 +94,10 @@ class RingState:
             self._parked = payload
             return None
         return self._grant(nxt, payload)
+
+    def waiting(self, now: float) -> dict:
+        """Who holds the token (None: nobody), for how long, and who waits for it (what a stall report says)."""
+        return {"holder": self.holder, "seq": self.seq, "held_s": now - self.granted_at, "pending": list(self.pending)}
 
     def status(self) -> dict:
         return {

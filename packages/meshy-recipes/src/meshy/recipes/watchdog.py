@@ -5,7 +5,8 @@ version published. When none happens for `recipe.stall_after_s` seconds, counted
 published version (loading or downloading weights before it is not watched), the watchdog writes a
 stall report to logs/stall.txt and to stderr: for each task, its rows ready, the leases held on its
 rows (by whom, how many, for how long) and the rows that still miss columns, by the columns they miss;
-and the last record of every role process. Then it stops the run as a crash would (rank 0 exits with
+for each GPU token ring, who holds the token, for how long, and who waits for it; and the last record
+of every role process. Then it stops the run as a crash would (rank 0 exits with
 STALLED), so `meshy run` exits non-zero and prints the resume command.
 """
 
@@ -71,6 +72,12 @@ class Watchdog:
                 lines.append(f"    {lease['rows']} rows leased by {lease['consumer']} for {lease['held_s']:.0f} s")
             for columns, rows in sorted(state["missing"].items()):
                 lines.append(f"    {rows} rows waiting for {columns}")
+        for ring, state in sorted(self.client.rings_waiting().items()):
+            waiting = ", ".join(state["pending"]) or "nobody"
+            lines.append(
+                f"  ring {ring}: held by {state['holder']} for {state['held_s']:.0f} s (grant {state['seq']}); "
+                f"waiting: {waiting}"
+            )
         for path in sorted((self.run_dir / "records").glob("*.jsonl")):
             records = path.read_text().splitlines()
             if records:
