@@ -21,6 +21,7 @@ from meshy.recipes.context import RoleContext
 BUILD, COMPUTE = "build", "compute"  # what a turn is for (its `device_turn` record says)
 TURN_TIMEOUT_S = 600.0  # an ON_DEMAND member waiting longer for the token stops the run, naming its holder
 BURST_WAIT_S = 2.0  # how long a colocated consumer waits for a training step's rows before taking fewer
+POLL_S = 0.2  # how often the FALLBACK member looks whether another member waits for the devices
 
 T = TypeVar("T")
 
@@ -166,7 +167,7 @@ async def build_holding_token(ctx: RoleContext, ring: GpuTokenRing | None, build
 
     def wait() -> Grant | None:
         deadline = time.monotonic() + TURN_TIMEOUT_S
-        while not ring.poll(0.2):
+        while not ring.poll(POLL_S):
             if ctx.stop.is_set():
                 return None
             if time.monotonic() > deadline:

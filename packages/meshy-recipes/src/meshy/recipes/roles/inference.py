@@ -8,12 +8,10 @@ from meshy.dataplane.model_source import ModelSource
 from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, Published
 from meshy.infer.engine import Engine
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
-from meshy.recipes.colocation import build_holding_token, join_ring, record_released
+from meshy.recipes.colocation import POLL_S, build_holding_token, join_ring, record_released
 from meshy.recipes.context import RoleContext
 from meshy.recipes.dataflow import TURNS
 from meshy.recipes.engines import build_engine
-
-POLL_S = 0.2  # how often the FALLBACK member looks whether another member waits for the devices
 
 
 class InferenceRole:
