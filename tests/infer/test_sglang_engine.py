@@ -383,3 +383,81 @@ class TestSGLangEngineConformance(EngineConformance):
         finally:
             bystander.kill()
             bystander.wait()
+
+
+MOE = get_model("qwen3-tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def published_moe(tmp_path_factory) -> tuple[Published, Published]:
+    """Two versions of qwen3-tiny-moe with every matrix scaled 4x: routers far from uniform, so numerics
+    alone choose no other expert."""
+    publisher = DirectoryPublisher(tmp_path_factory.mktemp("moe-weights"), MOE, dtype="float32", keep=10)
+    versions = []
+    for seed in (0, 1):
+        model, _ = build_model(MOE, ParallelConfig(), device="cpu", seed=seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.ndim >= 2:
+                    parameter.mul_(4)
+        versions.append(publisher.publish(model, seed + 1))
+    return versions[0], versions[1]
+
+
+def same_experts(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """The same experts per token and layer (the order of the top k is not part of the routing)."""
+    return ours.dtype == theirs.dtype == torch.int16 and torch.equal(ours.sort(-1).values, theirs.sort(-1).values)
+
+
+def test_settings_routing_needs_are_refused_before_sglang_starts(published, published_moe):
+    from meshy.infer.sglang_engine import SGLangEngine
+
+    with pytest.raises(SchemaError, match='pause_mode: expected "abort" with record_routing=True'):
+        SGLangEngine(published_moe[0], device="cpu", record_routing=True)
+    with pytest.raises(SchemaError, match="record_routing: the model is dense"):
+        SGLangEngine(published[0], device="cpu", record_routing=True, pause_mode="abort")
+    with pytest.raises(SchemaError, match="enable_return_routed_experts: set by SGLangEngine"):
+        SGLangEngine(published_moe[0], device="cpu", enable_return_routed_experts=True)
+
+
+def test_a_mixture_s_routing_is_recorded_as_on_the_reference_engine_and_spliced_across_a_pause(shared, published_moe):
+    """Routing replay's input from SGLang: the experts of every output token, as TorchEngine records them
+    for the same tokens; across an abort-mode pause with a weight update, the first request's experts
+    (old weights) followed by the continuation's (new weights)."""
+    for engine in shared:  # one SGLang engine per process at a time
+        if not engine.closed:
+            asyncio.run(engine.close())
+    engine = start_engine(published_moe[0], record_routing=True, pause_mode="abort")
+
+    async def check() -> None:
+        old, new = TorchEngine(published_moe[0], max_len=MAX_LEN), TorchEngine(published_moe[1], max_len=MAX_LEN)
+        assert engine.records_routing and old.records_routing
+        for seed in range(3):
+            ids = prompt(seed, vocab_size=MOE.vocab_size)
+            ours, theirs = await engine.generate(f"g{seed}", ids, greedy(24)), await old.generate("g", ids, greedy(24))
+            assert ours.output_ids == theirs.output_ids
+            assert ours.routed_experts.shape == (len(ours.output_ids), MOE.num_hidden_layers, MOE.num_experts_per_tok)
+            assert same_experts(ours.routed_experts, theirs.routed_experts)
+
+        ids = prompt(7, vocab_size=MOE.vocab_size)
+        budget = MAX_LEN - len(ids)
+        task = asyncio.create_task(engine.generate("long", ids, greedy(budget)))
+        await probe(engine)
+        await engine.pause()
+        await engine.update_weights(2, published_moe[1])
+        await engine.resume()
+        result = await task
+        switch = result.token_versions.index(2) if 2 in result.token_versions else 0
+        assert 0 < switch < len(result.output_ids), "the pause did not split the request"
+        before = await old.generate("before", ids, greedy(switch))
+        rest = len(result.output_ids) - switch
+        after = await new.generate("after", ids + result.output_ids[:switch], greedy(rest))
+        assert result.output_ids == before.output_ids + after.output_ids
+        assert same_experts(result.routed_experts, torch.cat([before.routed_experts, after.routed_experts]))
+        await old.close()
+        await new.close()
+
+    try:
+        asyncio.run(check())
+    finally:
+        asyncio.run(engine.close())

@@ -5,6 +5,11 @@ build is not on PyPI. SGLang's CPU path (SGLANG_USE_CPU_ENGINE=1, attention_back
 needs one op from it; this package implements that op in plain torch. Any other name can be imported
 (SGLang imports many at module load) but raises NotImplementedError when called, so a code path that
 would need a real kernel fails loudly instead of computing something wrong.
+
+It also stands in for the one CUDA runtime call SGLang makes on its CPU path: the host buffer that
+collects a mixture's routed experts (enable_return_routed_experts) is pinned with cudaHostRegister,
+which only speeds up copies from a GPU. Where CUDA is missing, registering and unregistering host memory
+succeed and do nothing; any other runtime call raises.
 """
 
 import torch
@@ -35,6 +40,23 @@ class _MissingKernel:
 
     def __call__(self, *args, **kwargs):
         raise NotImplementedError(f"sgl_kernel.{self.__name__} is not in the test stand-in (tests/infer/sglang_stub)")
+
+
+class _HostRegistrationOnly:
+    """torch.cuda.cudart() where there is no CUDA: host-memory (un)registration succeeds as a no-op."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        return 0
+
+    def __getattr__(self, name: str):
+        raise NotImplementedError(f"torch.cuda.cudart().{name} is not in the test stand-in (tests/infer/sglang_stub)")
+
+
+if not torch.cuda.is_available():
+    torch.cuda.cudart = _HostRegistrationOnly
 
 
 def __getattr__(name: str) -> _MissingKernel:

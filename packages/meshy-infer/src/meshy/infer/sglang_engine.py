@@ -29,6 +29,11 @@ What SGLang cannot do here, and what happens instead:
   scheduler, so on CPU `release` holds generation and scoring until `onload` and frees nothing. On a GPU
   it needs `colocate=True` (SGLang's memory saver, with a host copy of the weights), and weights cannot
   be updated while released.
+- Routing of a mixture (`record_routing=True`, for routing replay): SGLang reports the experts of a
+  request's positions only when it finishes, for the forward that last computed each position's KV. In
+  "retract" mode a paused request's positions are computed again under the new weights, so the routing
+  of tokens sampled before an update would be the new weights'. Recording therefore needs "abort" mode:
+  each attempt reports the routing of the tokens it produced, and attempts are spliced here.
 - `score` waits while generation is held (SGLang gates every request on its pause), not only while
   released.
 - A crashed SGLang child process ends this process too (SGLang's SIGQUIT handling). Importing and
@@ -38,6 +43,7 @@ What SGLang cannot do here, and what happens instead:
 
 import asyncio
 import atexit
+import base64
 import contextlib
 import json
 import logging
@@ -55,7 +61,7 @@ from typing import Any
 
 import torch
 
-from meshy.dataplane import SchemaError
+from meshy.dataplane import HOST, SchemaError
 from meshy.dataplane.hf_directory import HFDirectory, check_tensor_shapes
 from meshy.dataplane.model_source import ModelSource, read_model
 from meshy.dataplane.weights import DISK, SHARED_MEMORY, Published, read_published, verify_published
@@ -70,6 +76,7 @@ from meshy.infer.engine import (
     Scores,
     WeightsSource,
 )
+from meshy.infer.routing_log import EXPERT_ID_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +98,7 @@ _SET_BY = {
     "enable_deterministic_inference": "deterministic",
     "enable_memory_saver": "colocate",
     "enable_weights_cpu_backup": "colocate",
+    "enable_return_routed_experts": "record_routing",
     "skip_tokenizer_init": "nothing: requests are token ids",
 }
 
@@ -187,12 +195,16 @@ class _Request:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routing: list[torch.Tensor] | None = None  # each attempt's expert ids [tokens, layers, top_k], if recorded
     rid: str | None = None  # the SGLang request now running for it
     aborted: bool = False  # by abort() or close()
     interrupted: bool = False  # ended by an abort-mode pause: continue from its output once resumed
 
     def result(self, finish_reason: str) -> Generation:
-        return Generation(self.request_id, self.output, self.logprobs, self.versions, finish_reason, len(self.prompt))
+        routed = torch.cat(self.routing) if self.routing is not None else None
+        return Generation(
+            self.request_id, self.output, self.logprobs, self.versions, finish_reason, len(self.prompt), routed
+        )
 
 
 def _versions_per_token(spans: list[dict], count: int) -> list[int]:
@@ -201,6 +213,19 @@ def _versions_per_token(spans: list[dict], count: int) -> list[int]:
     if len(versions) != count:
         raise SGLangError(f"weight_versions spans {spans} do not cover the {count} output tokens")
     return versions
+
+
+def _routed_experts(meta: Mapping, count: int, layers: int, top_k: int) -> torch.Tensor:
+    """SGLang's routed_experts (base64 of int32 [count, layers, top_k]; absent for an attempt aborted before
+    it ran) as one attempt's expert ids."""
+    raw = base64.b64decode(meta.get("routed_experts") or "")
+    if len(raw) != count * layers * top_k * 4:
+        raise SGLangError(
+            f"routed_experts: {len(raw) // 4} expert ids for {count} output tokens x {layers} layers x top {top_k}"
+        )
+    if count == 0:
+        return torch.zeros(0, layers, top_k, dtype=EXPERT_ID_DTYPE, device=HOST)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(count, layers, top_k).to(EXPERT_ID_DTYPE)
 
 
 class SGLangEngine(Engine):
@@ -213,7 +238,9 @@ class SGLangEngine(Engine):
     `deterministic`: honour seeds (SGLang's deterministic inference; GPU only). `colocate`: enable
     `release`/`onload` on a GPU (SGLang's memory saver; weights backed up in host memory).
     `bucket_bytes`: the most bytes of in-memory weights sent to SGLang in one flattened bucket.
-    `stream_interval`: how many tokens SGLang produces between two reports of a request's output. Other
+    `stream_interval`: how many tokens SGLang produces between two reports of a request's output.
+    `record_routing`: every Generation carries the experts a mixture's layers chose for each output token
+    (routing replay; needs pause_mode "abort", see the module docstring). Other
     keyword arguments are passed to sglang.Engine as they are (mem_fraction_static, max_total_tokens,
     disable_radix_cache, tp_size, ...), except those this class sets itself (SchemaError names the
     parameter to use). Starting takes 20-60 s and blocks; construct it off a running event loop.
@@ -235,6 +262,7 @@ class SGLangEngine(Engine):
         seed: int = 0,
         bucket_bytes: int = 1 << 30,
         stream_interval: int = 1,
+        record_routing: bool = False,
         **server_args: Any,
     ):
         if max_len < 2:
@@ -272,6 +300,12 @@ class SGLangEngine(Engine):
             model_path = directory.path
             version = 0 if version is None else version
         self.vocab_size = int(self.config["vocab_size"])
+        if record_routing and not self.config.get("num_experts"):
+            raise SchemaError(
+                "SGLangEngine record_routing: the model is dense (config.json has no num_experts); routing "
+                "is recorded for a mixture of experts"
+            )
+        self._record_routing = record_routing
         self.max_len = max_len
         self._version = version
         self._on_gpu = device != "cpu"
@@ -294,6 +328,7 @@ class SGLangEngine(Engine):
             "enable_deterministic_inference": deterministic,
             "enable_memory_saver": colocate,
             "enable_weights_cpu_backup": colocate,
+            "enable_return_routed_experts": record_routing,
             "log_level": "error",
         }
         if max_running is not None:
@@ -334,14 +369,24 @@ class SGLangEngine(Engine):
         return self._version
 
     @property
+    def records_routing(self) -> bool:
+        return self._record_routing
+
+    @property
     def pause_mode(self) -> str:
-        """How generation is held: "retract" or "abort" (may change whenever; the next hold uses it)."""
+        """How generation is held: "retract" or "abort" (may change whenever; the next hold uses it;
+        always "abort" while routing is recorded)."""
         return self._pause_mode
 
     @pause_mode.setter
     def pause_mode(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise SchemaError(f"SGLangEngine pause_mode: expected one of {PAUSE_MODES}, got {mode!r}")
+        if mode != "abort" and self._record_routing:
+            raise SchemaError(
+                f'SGLangEngine pause_mode: expected "abort" with record_routing=True, got {mode!r} (a retracted '
+                "request's routing is computed again under the weights it resumes with)"
+            )
         self._pause_mode = mode
 
     @property
@@ -424,6 +469,8 @@ class SGLangEngine(Engine):
             raise SchemaError(f"request_id {request_id!r}: a request with this id is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = self._requests[request_id] = _Request(request_id, prompt, params, seed)
+        if self._record_routing:
+            request.routing = []
         self._in_flight.add(asyncio.current_task())
         try:
             while True:
@@ -456,14 +503,18 @@ class SGLangEngine(Engine):
         if self._deterministic:
             sampling["sampling_seed"] = request.seed
         request.rid = self._next_rid(request.request_id)
+        input_ids = request.prompt + request.output
+        # The routing of positions len(input_ids) - 1 onwards: the forwards whose logits gave this attempt's tokens.
+        routing = {"return_routed_experts": True, "routed_experts_start_len": len(input_ids) - 1}
         try:
             out = await self._final_response(
                 GenerateReqInput(
-                    input_ids=request.prompt + request.output,
+                    input_ids=input_ids,
                     sampling_params=sampling,
                     return_logprob=True,
                     rid=request.rid,
                     stream=True,
+                    **(routing if self._record_routing else {}),
                 )
             )
         finally:
@@ -473,6 +524,9 @@ class SGLangEngine(Engine):
         request.output += output_ids
         request.logprobs += [logprob for logprob, _, _ in meta["output_token_logprobs"]]
         request.versions += _versions_per_token(meta.get("weight_versions") or [], len(output_ids))
+        if request.routing is not None:
+            layers, top_k = int(self.config["num_hidden_layers"]), int(self.config["num_experts_per_tok"])
+            request.routing.append(_routed_experts(meta, len(output_ids), layers, top_k))
         return _FINISH_REASONS[meta["finish_reason"]["type"]]
 
     async def _score_on_loop(self, input_ids: list[int], top_k: int, start: int) -> Scores:
