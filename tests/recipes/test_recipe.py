@@ -126,11 +126,6 @@ def test_the_embedded_default_loads_and_resolves():
             "mixture-of-experts model",
         ),
         (
-            lambda t: moe_replay(t).replace("max_in_flight = 256", 'max_in_flight = 256\nengine = "sglang"'),
-            'algorithm.routing_replay: sampling.engine "sglang" does not record routed experts; use '
-            'sampling.engine = "torch"',
-        ),
-        (
             lambda t: moe_replay(t) + "\n[algorithm.parallel]\ntp = 2\n",
             "algorithm.routing_replay: not supported with algorithm.parallel.tp or cp > 1",
         ),

@@ -169,3 +169,23 @@ def test_an_async_service_that_ends_or_fails_on_its_own_ends_the_bridge(tmp_path
     with pytest.raises(RuntimeError, match="engine died"):
         asyncio.run(asyncio.wait_for(ctx.until_stopped(fails), timeout=10))
     assert not ctx.stop.is_set(), "the run's stop flag is the run's, not the service's"
+
+
+def test_a_routing_replay_run_on_sglang_records_routing_where_it_generates(monkeypatch, tmp_path):
+    """The inference role's SGLang engine reports each token's experts and holds generation in abort mode
+    (meshy.infer.sglang_engine says why); engines built to score only (reference, teacher) record nothing."""
+    import meshy.infer.sglang_engine as sglang_engine
+    from meshy.recipes.engines import build_engine
+    from tests.recipes.test_recipe import moe_replay
+
+    started = {}
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda source, **kwargs: started.update(kwargs))
+    on_sglang = DEFAULT_RECIPE.read_text().replace("max_in_flight = 256", 'max_in_flight = 256\nengine = "sglang"')
+    recipe = load_recipe_text(tmp_path, moe_replay(on_sglang))
+    assert recipe.algorithm.routing_replay and recipe.sampling.engine == "sglang"
+    ctx = RoleContext(recipe, assign(recipe, recipe.world_size)[1], tmp_path, client=None)
+    build_engine(ctx, "w", record_routing=True)
+    assert started["record_routing"] is True and started["pause_mode"] == "abort"
+    started.clear()
+    build_engine(ctx, "w")
+    assert started and "record_routing" not in started and "pause_mode" not in started

@@ -7,11 +7,18 @@ from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.context import RoleContext
 
 
-def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False, version: int | None = None) -> Engine:
+def build_engine(
+    ctx: RoleContext,
+    source: ModelSource,
+    colocate: bool = False,
+    version: int | None = None,
+    record_routing: bool = False,
+) -> Engine:
     """SGLang (imported only when named) or the pure-torch engine, on the process's device in the
     recipe's model dtype, sized by `sampling.max_in_flight` and `sampling.context_length`. colocate: the
     engine will release and onload its device memory for a GPU token ring. version: the weights version
-    `source` holds (default: a Published source's, else 0)."""
+    `source` holds (default: a Published source's, else 0). record_routing: the engine reports a
+    mixture's experts per generated token (routing replay; TorchEngine always does for a mixture)."""
     sampling, dtype = ctx.recipe.sampling, ctx.recipe.model.dtype
     if sampling.engine == "sglang":
         from meshy.infer.sglang_engine import SGLangEngine
@@ -21,6 +28,8 @@ def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False, 
         fraction = dict(ctx.recipe.roles.items())[ctx.slot.role].memory_fraction
         if fraction is not None:  # SGLang sizes its weights and cache from its own share of the GPU
             placement["mem_fraction_static"] = fraction
+        # Holds end SGLang's requests, to be continued here: each attempt reports its own tokens' routing.
+        routing = {"record_routing": True, "pause_mode": "abort"} if record_routing else {}
         return SGLangEngine(
             source,
             max_running=sampling.max_in_flight,
@@ -30,6 +39,7 @@ def build_engine(ctx: RoleContext, source: ModelSource, colocate: bool = False, 
             colocate=colocate,
             version=version,
             **placement,
+            **routing,
         )
     return TorchEngine(
         source,

@@ -240,7 +240,7 @@ class AlgorithmSpec:
     routing_replay: a mixture-of-experts model's
     trainer routes each response token to the experts the inference engine chose for it (the engine
     records them in the routed_experts column), so routing differences do not reach the importance
-    ratio; needs an MoE model and the torch engine."""
+    ratio; needs an MoE model (either engine records them: TorchEngine always, SGLang when asked)."""
 
     kind: Literal["grpo", "ppo", "distill"] = "grpo"
     group_size: int = 8
@@ -529,11 +529,6 @@ class Recipe:
             raise SchemaError(
                 f"algorithm.routing_replay: model {self.model.name!r} is dense (num_experts = 0); routing replay "
                 "needs a mixture-of-experts model"
-            )
-        if self.sampling.engine != "torch":
-            raise SchemaError(
-                f'algorithm.routing_replay: sampling.engine "{self.sampling.engine}" does not record routed '
-                'experts; use sampling.engine = "torch"'
             )
         parallel = self.algorithm.parallel
         if parallel.tp > 1 or parallel.cp > 1:

@@ -90,8 +90,9 @@ class InferenceRole:
             return None
         version, source = first
         colocated = ctx.slot.ring is not None
+        replay = ctx.recipe.algorithm.routing_replay
         self.engine = await build_holding_token(
-            ctx, ring, lambda: build_engine(ctx, source, colocate=colocated, version=version)
+            ctx, ring, lambda: build_engine(ctx, source, colocate=colocated, version=version, record_routing=replay)
         )
         if self.engine is None:
             return None
