@@ -113,9 +113,12 @@ def test_pacing_modes_train_every_generated_row_once_within_the_staleness_bound(
 
 def test_a_mixture_of_experts_trains_every_version_replaying_the_engine_s_routing(tmp_path):
     """Bounded off-policy (pacing 2), so rows are sampled by a version older than the one training them:
-    the trainer replays, for every response token of every row, the experts the engine chose."""
+    the trainer replays, for every response token of every row, the experts the engine chose. Training
+    runs as the Qwen3-30B-A3B recipes do, in miniature: two processes, experts split between them (ep 2)."""
     recipe = small_recipe(tmp_path, "2")
     text = recipe.read_text().replace('name = "qwen3-tiny"', 'name = "qwen3-tiny-moe"')
+    text = text.replace("[roles.training]\nprocesses = 1", "[roles.training]\nprocesses = 2")
+    text += "\n[algorithm.parallel]\nep = 2\n"
     recipe.write_text(re.sub(r"^pacing = 2$", "pacing = 2\nrouting_replay = true", text, flags=re.M))
     metrics = check_run(run(recipe), 1, architecture="Qwen3MoeForCausalLM")
     for m in metrics:

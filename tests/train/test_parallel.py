@@ -17,8 +17,12 @@ from meshy.train.trainer import PolicyBatch, PolicyTrainer
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("model_name", ["qwen3-tiny", "minicpm5-tiny"])
-def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(model_name, tmp_path):
+@pytest.mark.parametrize(
+    ("model_name", "ep"), [("qwen3-tiny", 1), ("minicpm5-tiny", 1), ("qwen3-tiny-moe", 1), ("qwen3-tiny-moe", 2)]
+)
+def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(model_name, ep, tmp_path):
+    """ep = 2: the experts split over the two ranks (what the Qwen3-30B-A3B recipes run), tokens sent to
+    their experts' rank and back."""
     arch = get_model(model_name)
     reference, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
     torch.manual_seed(0)
@@ -35,7 +39,8 @@ def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(mode
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(Path(__file__).with_name("fsdp_grads.py")), model_name, str(tmp_path / "inputs.pt")]
-    result = subprocess.run([*cmd, str(tmp_path / "grads.pt")], env=env, capture_output=True, text=True, timeout=300)
+    cmd += [str(tmp_path / "grads.pt"), str(ep)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     saved = torch.load(tmp_path / "grads.pt")
     fsdp = saved["grads"]
@@ -51,8 +56,10 @@ def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(mode
         assert saved["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
 
 
-def test_weights_load_into_a_model_and_reproduce_it():
-    arch = get_model("qwen3-tiny")
+@pytest.mark.parametrize("model_name", ["qwen3-tiny", "qwen3-tiny-moe"])
+def test_weights_load_into_a_model_and_reproduce_it(model_name):
+    """What `model.init` does with an HF checkpoint (a mixture's included: the Qwen3-30B-A3B recipes)."""
+    arch = get_model(model_name)
     source, _ = build_model(arch, ParallelConfig(), device="cpu", seed=1)
     target, _ = build_model(arch, ParallelConfig(), device="cpu", seed=2)
     tokens = torch.randint(0, arch.vocab_size, (2, 7))

@@ -16,6 +16,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.qwen3 import parallelize_qwen3
+from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 from meshy.dataplane import SchemaError
 from meshy.train import cpu
@@ -60,8 +61,16 @@ def build_model(
         spmd_backend=SPMD_BACKEND,
     )
     dims = ParallelDims.from_config(parallelism, world)
+    model_config = titan_config(arch)
+    # What torchtitan's own trainer sets from its parallelism config: without it `parallelize` shards no
+    # parameter, while the MoE token dispatcher still sends each rank only its share of the experts' tokens.
+    set_qwen3_sharding_config(
+        model_config,
+        enable_sp=parallelism.enable_sequence_parallel,
+        enable_ep=parallelism.expert_parallel_degree > 1,
+    )
     with torch.device("meta"):
-        model = titan_config(arch).build()
+        model = model_config.build()
     if world > 1:
         dims.build_mesh()
         set_spmd_backend(SPMD_BACKEND)

@@ -245,7 +245,7 @@ class TrainingService:
         }
         if cfg.routing_replay:  # response positions whose routing was the engine's
             record["replayed_tokens"] = int(total["replayed_tokens"])
-        for key in steps[0] if steps else ():
+        for key in [k for k in steps[0] if k not in record] if steps else ():  # the version's totals stay
             record[key] = sum(s[key] for s in steps) / len(steps)
         self.metrics.write(record)
         return record

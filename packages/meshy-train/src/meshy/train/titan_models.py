@@ -81,6 +81,9 @@ def _moe(arch: DecoderArch):
     experts_init = {name: _NORMAL["weight"] for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
     return make_moe_config(
         num_experts=arch.num_experts,
+        # No auxiliary-loss-free balancing bias: Qwen3's routing has none (an HF checkpoint could not fill
+        # one), and the optimizer hook that would move it is torchtitan's trainer's, not ours.
+        load_balance_coeff=None,
         router=replay_router_config(  # torchtitan's router, which can also replay given routing
             make_router_config(
                 dim=arch.hidden_size,

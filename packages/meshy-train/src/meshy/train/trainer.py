@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from meshy.dataplane import SchemaError
@@ -68,6 +69,11 @@ def adamw(model: torch.nn.Module, optim: OptimConfig) -> tuple[torch.optim.AdamW
     return optimizer, scheduler
 
 
+def _expert_parallel(param: torch.Tensor) -> bool:
+    """Sharded over an expert-parallel mesh: its norm is reduced over other ranks than the dense ones'."""
+    return isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
+
+
 def finite_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -78,7 +84,8 @@ def finite_step(
     """After backward: clip the gradients, then step (optimizer and schedule) only if the loss and the
     gradient norm are finite on every rank, so all ranks skip together; the gradients are zeroed either
     way. Returns the gradient norm and whether it stepped."""
-    grad_norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = clip_grad_norm_(params, max_grad_norm, ep_enabled=any(map(_expert_parallel, params)))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     finite = torch.tensor(float(math.isfinite(loss.item()) and math.isfinite(grad_norm.item())), device=loss.device)
     stepped = reduce_over_ranks(finite, dist.ReduceOp.MIN).item() == 1.0
