@@ -1,7 +1,9 @@
 """torchrun body for the resume test. `train`: 3 policy steps, checkpoint after step 2, then steps 3 and 4.
 `resume`: a differently-initialised trainer loads the checkpoint and runs steps 3 and 4. Both record
 the losses of steps 3 and 4 (rank 0) to compare bit for bit. Before that, `resume` tries a copy of the
-checkpoint with rank 1's file corrupted: both ranks must refuse it, with their trainer untouched."""
+checkpoint with rank 1's file corrupted: both ranks must refuse it, with their trainer untouched.
+
+Arguments: mode, checkpoint root, output file, model name, expert-parallel degree."""
 
 import json
 import shutil
@@ -55,11 +57,11 @@ def refuse_corrupt_copy(root: Path, trainer: PolicyTrainer, rank: int) -> str:
 
 
 def main() -> None:
-    mode, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    mode, root, out, model_name, ep = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
     init_process_group("cpu")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    arch = get_model("qwen3-tiny")
-    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=0 if mode == "train" else 99)
+    arch = get_model(model_name)
+    model, _ = build_model(arch, ParallelConfig(ep=ep), device="cpu", seed=0 if mode == "train" else 99)
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-3, warmup_steps=3), LossConfig())
     losses = {}
     if mode == "train":

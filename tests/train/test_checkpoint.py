@@ -17,9 +17,10 @@ from meshy.train.trainer import PolicyTrainer
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run(mode: str, tmp_path: Path) -> dict:
+def run(mode: str, tmp_path: Path, model_name: str, ep: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(Path(__file__).with_name("resume_steps.py")), mode, str(tmp_path / "ckpt"), str(tmp_path / mode)]
+    cmd += [model_name, str(ep)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -27,14 +28,16 @@ def run(mode: str, tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow  # two torchrun ranks, twice; the default tier resumes one-process runs
-def test_resuming_a_two_rank_fsdp_trainer_reproduces_the_next_steps_bit_for_bit(tmp_path):
-    trained = run("train", tmp_path)
+@pytest.mark.parametrize(("model_name", "ep"), [("qwen3-tiny", 1), ("qwen3-tiny-moe", 2)])
+def test_resuming_a_two_rank_fsdp_trainer_reproduces_the_next_steps_bit_for_bit(tmp_path, model_name, ep):
+    """ep = 2: a mixture with its experts split over the ranks (the Qwen3-30B-A3B recipes)."""
+    trained = run("train", tmp_path, model_name, ep)
     saved = checkpoint.latest(tmp_path / "ckpt")
     assert saved.name == "step-00000002"
     manifest = json.loads((saved / checkpoint.MANIFEST).read_text())["files"]
     assert sorted(manifest) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks' files
     assert all(manifest[name]["bytes"] == (saved / name).stat().st_size for name in manifest)
-    resumed = run("resume", tmp_path)
+    resumed = run("resume", tmp_path, model_name, ep)
     assert resumed.pop("refused") == f"checkpoint {tmp_path / 'corrupt'}: __1_0.distcp: checksum mismatch" + (
         " (xxh3-128 differs from the manifest's)"
     )
