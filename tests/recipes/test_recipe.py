@@ -126,8 +126,12 @@ def test_the_embedded_default_loads_and_resolves():
             "mixture-of-experts model",
         ),
         (
-            lambda t: moe_replay(t) + "\n[algorithm.parallel]\ntp = 2\n",
-            "algorithm.routing_replay: not supported with algorithm.parallel.tp or cp > 1",
+            lambda t: t + "\n[algorithm.parallel]\ntp = 2\n",
+            "ParallelConfig.tp: expected 1, got 2: tensor parallelism is not supported",
+        ),
+        (
+            lambda t: t + "\n[algorithm.parallel]\ncp = 4\n",
+            "ParallelConfig.cp: expected 1, got 4: context parallelism is not supported",
         ),
         (
             lambda t: t.replace("pacing = 1", "pacing = 1\nrouting_replay = 1"),

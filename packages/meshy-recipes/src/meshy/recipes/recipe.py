@@ -530,12 +530,6 @@ class Recipe:
                 f"algorithm.routing_replay: model {self.model.name!r} is dense (num_experts = 0); routing replay "
                 "needs a mixture-of-experts model"
             )
-        parallel = self.algorithm.parallel
-        if parallel.tp > 1 or parallel.cp > 1:
-            raise SchemaError(
-                "algorithm.routing_replay: not supported with algorithm.parallel.tp or cp > 1 (the replayed "
-                f"experts are not split over sequence shards); got tp={parallel.tp}, cp={parallel.cp}"
-            )
 
     @property
     def world_size(self) -> int:

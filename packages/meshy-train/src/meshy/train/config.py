@@ -11,7 +11,10 @@ from meshy.dataplane.fields import check_fields
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the training role splits its model. dp_shard=-1 takes every rank left after the others."""
+    """How the training role splits its model. dp_shard=-1 takes every rank left after the others. Every
+    training rank trains rows of its own, on whole sequences and whole logits: FSDP (dp_shard,
+    dp_replicate) and expert parallelism (ep) split the model that way; tensor and context parallelism
+    (tp, cp) would need ranks that share rows and split their logits or sequences, and are refused."""
 
     dp_shard: int = -1
     dp_replicate: int = 1
@@ -26,6 +29,12 @@ class ParallelConfig:
         for name in ("dp_replicate", "tp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise SchemaError(f"ParallelConfig.{name}: expected a degree >= 1, got {getattr(self, name)}")
+        for name, what in (("tp", "tensor"), ("cp", "context")):
+            if getattr(self, name) != 1:
+                raise SchemaError(
+                    f"ParallelConfig.{name}: expected 1, got {getattr(self, name)}: {what} parallelism is not "
+                    "supported (each training rank trains rows of its own; split the model with dp_shard and ep)"
+                )
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise SchemaError(f"ParallelConfig.dp_shard: expected -1 or a degree >= 1, got {self.dp_shard}")
 

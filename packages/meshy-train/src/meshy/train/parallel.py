@@ -1,6 +1,6 @@
 """The trainer's device mesh and model: built on the meta device, parallelized with
-torchtitan's Qwen3 parallelize function (FSDP2 over data-parallel ranks; TP, EP and CP degrees pass
-through for GPU recipes), then materialised on the local device.
+torchtitan's Qwen3 parallelize function (FSDP2 over data-parallel ranks, expert parallelism for a
+mixture), then materialised on the local device.
 
 The compute dtype is the recipe's model dtype (one for trainer, publisher and engines), not a parallelism
 setting. The default process group is the training role's own (meshy.train.process_group).
