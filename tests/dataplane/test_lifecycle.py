@@ -146,6 +146,21 @@ def test_shutdown_and_killing_the_host_leave_no_server_processes(secret, mp_cont
     assert wait_gone(pids, 5.0) == [], "orphaned data-plane server processes"
 
 
+def test_work_done_while_the_servers_start_overlaps_their_start_and_its_failure_leaves_no_server(secret):
+    ran = []
+    with DataPlaneServer.start_storage(secret, meanwhile=lambda: ran.append(psutil.Process().children())) as server:
+        assert server.storage and [p.pid for p in ran[0]] == [server.pids["launcher"]], "ran after the launcher began"
+
+    def fails() -> None:
+        started.extend(psutil.Process().children())
+        raise KeyError("the role's module")
+
+    started = []
+    with pytest.raises(KeyError, match="the role's module"):
+        DataPlaneServer.start_storage(secret, meanwhile=fails)
+    assert len(started) == 1 and wait_gone([started[0].pid], 5.0) == [], "the launcher outlived the failure"
+
+
 def test_a_client_without_the_secret_is_refused(dataplane):
     t0 = time.monotonic()
     with pytest.raises(AccessDenied, match="refused this client's credentials"):

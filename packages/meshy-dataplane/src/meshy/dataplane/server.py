@@ -7,6 +7,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import IO, Any
 
@@ -65,9 +66,14 @@ class DataPlaneServer:
 
     @classmethod
     def start_storage(
-        cls, secret: bytes, config: DataPlaneConfig | None = None, log: IO | None = None
+        cls,
+        secret: bytes,
+        config: DataPlaneConfig | None = None,
+        log: IO | None = None,
+        meanwhile: Callable[[], object] | None = None,
     ) -> "DataPlaneServer":
-        """This host's `config.num_storage_units` storage units, bound to `config.host`."""
+        """This host's `config.num_storage_units` storage units, bound to `config.host`. `meanwhile` runs
+        here while the servers start (they take seconds to import TransferQueue)."""
         config = config or DataPlaneConfig()
         if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
             raise SchemaError(f"DataPlaneServer.start: secret must be at least {MIN_SECRET_BYTES} bytes")
@@ -78,6 +84,13 @@ class DataPlaneServer:
             stderr=log,
             env={**os.environ, SECRET_ENV: secret.hex()},
         )
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
         report = _report(process, config.start_timeout_s, "storage")
         return cls(process, config, report["storage"], report["pids"])
 

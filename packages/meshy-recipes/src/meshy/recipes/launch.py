@@ -79,7 +79,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     secret = secret_from_env()
     address = os.environ.get(NODE_ADDRESS_ENV) or node_address(recipe, node, os.environ["MASTER_ADDR"])
-    server = host_servers(recipe, slot, slot is here[0], address, store, secret, directory / "logs")
+    # The role's module (torchtitan for training: seconds) imports while the data plane starts. Its errors
+    # are left for the import below, which reports them to the run.
+    warm_up = contextlib.suppress(Exception)(role_class)
+    server = host_servers(
+        recipe, slot, slot is here[0], address, store, secret, directory / "logs", lambda: warm_up(recipe, slot)
+    )
     endpoints = Endpoints.from_store(store)
     client = DataPlaneClient(endpoints, secret, recipe.dataplane, name=f"{slot.role}{slot.index}", node=slot.node)
     for spec in tables(recipe):

@@ -6,6 +6,7 @@ the consumer is there. Endpoints travel through torchrun's store (addresses only
 
 import dataclasses
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,16 +21,25 @@ START_TIMEOUT_S = 600.0  # as long as the role process groups wait for each othe
 
 
 def host_servers(
-    recipe: Recipe, slot: Slot, first_on_node: bool, address: str, store: dist.Store, secret: bytes, logs: Path
+    recipe: Recipe,
+    slot: Slot,
+    first_on_node: bool,
+    address: str,
+    store: dist.Store,
+    secret: bytes,
+    logs: Path,
+    meanwhile: Callable[[], object] = lambda: None,
 ) -> DataPlaneServer | None:
-    """Start the servers this process hosts (None: it hosts none); rank 0 publishes the endpoints."""
+    """Start the servers this process hosts (None: it hosts none); rank 0 publishes the endpoints.
+    `meanwhile` runs in every process, while the servers start where it hosts them."""
     if not first_on_node:
+        meanwhile()
         return None
     nodes = recipe.topology.nodes
     config = dataclasses.replace(recipe.dataplane, host=address) if nodes > 1 else recipe.dataplane
     log_name = "dataplane.log" if slot.node == 0 else f"dataplane-node{slot.node}.log"
     with open(logs / log_name, "ab") as log:  # the servers keep their own descriptor
-        server = DataPlaneServer.start_storage(secret, config, log=log)
+        server = DataPlaneServer.start_storage(secret, config, log=log, meanwhile=meanwhile)
     store.set(f"{STORAGE_KEY}{slot.node}", json.dumps(server.storage))
     if slot.rank == 0:
         units, where = [], []
