@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 )
 def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(model_name, ep, tmp_path):
     """ep = 2: the experts split over the two ranks (what the Qwen3-30B-A3B recipes run), tokens sent to
-    their experts' rank and back."""
+    their experts' rank and back. torchtitan computes routed experts in bfloat16 whatever the model's
+    dtype: with ep = 1 each rank's expert gradients are rounded to bfloat16 before the two are summed, so
+    they differ from one process's by that rounding (with ep = 2 each expert sees all its tokens on one
+    rank, as in one process)."""
     arch = get_model(model_name)
     reference, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
     torch.manual_seed(0)
@@ -47,7 +50,8 @@ def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(mode
     assert set(fsdp) == {name for name, _ in reference.named_parameters()}
     for name, param in reference.named_parameters():
         error = ((fsdp[name] - param.grad).norm() / param.grad.norm()).item()
-        assert error <= 1e-6, f"{name}: relative error {error:.2e}"
+        bound = 2**-8 if "routed_experts" in name and ep == 1 else 1e-6  # bfloat16's rounding, or none
+        assert error <= bound, f"{name}: relative error {error:.2e}"
 
     one, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
     trainer = PolicyTrainer(one, OptimConfig(), LossConfig(tis="none", kl_coef=0.1))

@@ -49,6 +49,13 @@ def role_class(recipe: Recipe, slot: Slot) -> type:
     return import_object(next(c.cls for c in recipe.roles.custom if c.name == slot.role), f"roles.custom.{slot.role}")
 
 
+def import_role(recipe: Recipe, slot: Slot) -> None:
+    """Imports the role's module (torchtitan for training: seconds), to overlap the data plane's start. Its
+    errors are left for the import in the role's run, which reports them to the run."""
+    with contextlib.suppress(Exception):
+        role_class(recipe, slot)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     recipe = load_recipe(argv[0] if argv else None)
@@ -79,11 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     secret = secret_from_env()
     address = os.environ.get(NODE_ADDRESS_ENV) or node_address(recipe, node, os.environ["MASTER_ADDR"])
-    # The role's module (torchtitan for training: seconds) imports while the data plane starts. Its errors
-    # are left for the import below, which reports them to the run.
-    warm_up = contextlib.suppress(Exception)(role_class)
     server = host_servers(
-        recipe, slot, slot is here[0], address, store, secret, directory / "logs", lambda: warm_up(recipe, slot)
+        recipe, slot, slot is here[0], address, store, secret, directory / "logs", lambda: import_role(recipe, slot)
     )
     endpoints = Endpoints.from_store(store)
     client = DataPlaneClient(endpoints, secret, recipe.dataplane, name=f"{slot.role}{slot.index}", node=slot.node)
