@@ -8,6 +8,7 @@ import torch
 
 from meshy.dataplane import SchemaError
 from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
+from meshy.train.critic import CriticTrainer, ValueBatch, ValueModel
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model, load_weights
@@ -58,6 +59,38 @@ def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(mode
     metrics = trainer.step(PolicyBatch(tokens, mask, advantages, ref_logprobs=ref_logprobs))
     for key in ("loss", "pg_loss", "kl", "entropy"):  # global means, not rank 0's share of them
         assert saved["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
+
+
+def test_a_two_rank_critic_steps_as_one_process_does(tmp_path):
+    """What the JustRL II recipe runs (its critic on 2 GPUs): the value head is sharded beside the backbone,
+    so gradient clipping sees one kind of tensor (a plain value head crashed the first critic step), and
+    the step's metrics are the whole batch's, not rank 0's share."""
+    arch = get_model("qwen3-tiny")
+    torch.manual_seed(0)
+    tokens = torch.randint(0, arch.vocab_size, (4, 9))
+    mask = (torch.rand(4, 8) < 0.7).float()
+    returns, old_values = torch.rand(4, 8), 0.5 + 0.3 * torch.randn(4, 8)
+    backbone, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
+    weights = dict(hf_tensors(backbone, arch, torch.float32))
+    inputs = dict(weights=weights, tokens=tokens, mask=mask, returns=returns, old_values=old_values)
+    torch.save(inputs, tmp_path / "inputs.pt")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(Path(__file__).with_name("critic_ranks.py")), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    saved = torch.load(tmp_path / "out.pt")
+
+    trainer = CriticTrainer(ValueModel(backbone, arch.hidden_size, 0.5), OptimConfig(lr=1e-2), value_clip=0.2)
+    metrics = trainer.step(ValueBatch(tokens, mask, returns, old_values))
+    assert 0 < metrics["value_clip_fraction"] < 1, "both branches of the clipped loss are taken"
+    for key in ("value_loss", "grad_norm", "value_clip_fraction", "value_error_mean"):
+        assert saved["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
+    one = dict(trainer.model.named_parameters())
+    assert set(saved["params"]) == set(one)
+    for name, param in one.items():
+        assert torch.allclose(saved["params"][name], param.detach(), rtol=1e-5, atol=1e-6), name
+    assert not torch.equal(one["value_head.weight"], torch.zeros_like(one["value_head.weight"])), "the head learned"
 
 
 @pytest.mark.parametrize("model_name", ["qwen3-tiny", "qwen3-tiny-moe"])

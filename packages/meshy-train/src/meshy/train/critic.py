@@ -21,6 +21,7 @@ from meshy.dataplane.fields import check_fields
 from meshy.train.config import OptimConfig
 from meshy.train.logprobs import pack_rows
 from meshy.train.losses import aggregate, clipped_value_loss
+from meshy.train.parallel import shard_beside
 from meshy.train.trainer import adamw, finite_step, reduce_over_ranks
 
 
@@ -34,6 +35,7 @@ class ValueModel(nn.Module):
         with torch.no_grad():
             self.value_head.weight.zero_()
             self.value_head.bias.fill_(initial_value)
+        shard_beside(self.value_head, backbone)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Values [B, T-1] in float32: position t values the state before token t + 1 (as logprobs)."""
@@ -61,20 +63,23 @@ class CriticTrainer:
         self.skipped_nonfinite = 0
 
     def step(self, batch: ValueBatch) -> dict[str, float]:
-        tokens = reduce_over_ranks(torch.tensor([float(batch.mask.sum())], device=batch.mask.device))
+        local_tokens = float(batch.mask.sum())
+        tokens = reduce_over_ranks(torch.tensor([local_tokens], device=batch.mask.device)).item()
         values = self.model(batch.tokens)
         token_loss, stats = clipped_value_loss(values, batch.old_values, batch.returns, batch.mask, self.value_clip)
-        loss = aggregate(token_loss, batch.mask, "token_mean", max(tokens.item(), 1.0))
+        loss = aggregate(token_loss, batch.mask, "token_mean", max(tokens, 1.0))
         loss.backward()
-        for p in self.model.value_head.parameters():  # replicated, not sharded: sum its gradients by hand
-            reduce_over_ranks(p.grad)
+        # Every rank's share of the loss and its token-weighted statistics, summed: the batch's metrics.
+        shares = [loss.detach().item()] + [stats[k] * local_tokens if local_tokens else 0.0 for k in stats]
+        totals = reduce_over_ranks(torch.tensor(shares, dtype=torch.float64, device=batch.mask.device)).tolist()
+        stats = {k: t / tokens if tokens else float("nan") for k, t in zip(stats, totals[1:], strict=True)}
         grad_norm, stepped = finite_step(self.model, self.optimizer, self.scheduler, loss, self.optim.max_grad_norm)
         if stepped:
             self.steps += 1
         else:
             self.skipped_nonfinite += 1
         return {
-            "value_loss": float(loss.detach()),
+            "value_loss": totals[0],
             "grad_norm": grad_norm,
             "skipped_nonfinite": float(self.skipped_nonfinite),
             **stats,

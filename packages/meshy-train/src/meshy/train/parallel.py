@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -94,6 +95,22 @@ def build_model(
         model.forward = torch.autocast(device.type, dtype=DTYPES[dtype])(model.forward)
     model.train()
     return model, dims
+
+
+def shard_beside(module: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Shard `module`, which computes beside a model from build_model (the critic's value head), over
+    the model's data-parallel ranks as the model is sharded: float32 parameters, gradients summed (losses
+    are divided by global counts). Without it the two hold plain and sharded tensors side by side, which
+    gradient clipping refuses. A model on one process is not sharded, nor is the module."""
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    if mesh is None:
+        return
+    on_cpu = next(module.parameters()).device.type == "cpu"
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    module.set_gradient_divide_factor(1.0)
+    if on_cpu:
+        cpu.sum_gradient_reduction(module)
 
 
 def load_weights(model: torch.nn.Module, arch: DecoderArch, hf_tensors: dict[str, torch.Tensor]) -> None:
