@@ -160,6 +160,7 @@ def test_critic_warmup_versions_train_nothing_but_publish_and_count(client, uniq
     service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
     warmup = service.train_batch(service.wait_for_batch())
     assert warmup["rows_trained"] == 0 and [d["reason"] for d in warmup["dropped"]] == ["critic warm-up"] * 4
+    assert warmup["tokens"] == 0 and warmup["staleness_histogram"] == {}, "no token trained, none counted stale"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert (tmp_path / "v000001").is_dir()
     assert service.train_batch(service.wait_for_batch())["rows_trained"] == 4 and trainer.steps == 1

@@ -183,7 +183,7 @@ class TrainingService:
         warming_up = self.version < cfg.critic_warmup_versions  # the same on every rank
         if warming_up:
             dropped += [{"row": row["row"], "reason": "critic warm-up"} for row in rows]
-            rows = []
+            rows, staleness = [], Counter()  # the histogram counts trained tokens
         minibatches = [] if warming_up else self._minibatches(rows)
         if cfg.minibatches * cfg.epochs > 1:
             for mb in minibatches:
