@@ -1,8 +1,9 @@
 """torchrun body for the 2-rank critic test: each rank builds the critic (backbone and value head sharded
 over the ranks), takes one clipped value-loss step on its share of a batch, and rank 0 saves the step's
-metrics and the full parameters after it.
+metrics and the full parameters after it. Then the ranks checkpoint the critic, restore it into a critic
+built from another seed, and both take a second step: rank 0 saves both steps' metrics.
 
-Arguments: inputs file, output file."""
+Arguments: inputs file, output file, checkpoint root."""
 
 import sys
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshy.train import checkpoint
 from meshy.train.config import OptimConfig, ParallelConfig
 from meshy.train.critic import CriticTrainer, ValueBatch, ValueModel
 from meshy.train.models import get_model
@@ -17,22 +19,29 @@ from meshy.train.parallel import build_model, load_weights
 from meshy.train.process_group import init_process_group
 
 
+def critic(seed: int) -> CriticTrainer:
+    arch = get_model("qwen3-tiny")
+    backbone, _ = build_model(arch, ParallelConfig(), device="cpu", seed=seed)
+    return CriticTrainer(ValueModel(backbone, arch.hidden_size, 0.5), OptimConfig(lr=1e-2), value_clip=0.2)
+
+
 def main() -> None:
-    inputs, out = sys.argv[1], sys.argv[2]
+    inputs, out, root = sys.argv[1], sys.argv[2], sys.argv[3]
     init_process_group("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = torch.load(inputs)
-    arch = get_model("qwen3-tiny")
-    backbone, _ = build_model(arch, ParallelConfig(), device="cpu")
-    load_weights(backbone, arch, data["weights"])
-    trainer = CriticTrainer(ValueModel(backbone, arch.hidden_size, 0.5), OptimConfig(lr=1e-2), value_clip=0.2)
-    share = {k: data[k].chunk(world)[rank] for k in ("tokens", "mask", "returns", "old_values")}
-    metrics = trainer.step(ValueBatch(**share))
+    trainer = critic(seed=0)
+    load_weights(trainer.model.backbone, get_model("qwen3-tiny"), data["weights"])
+    batch = ValueBatch(**{k: data[k].chunk(world)[rank] for k in ("tokens", "mask", "returns", "old_values")})
+    metrics = trainer.step(batch)
     params = {}
     for name, param in trainer.model.named_parameters():
         params[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    restored = critic(seed=1)
+    checkpoint.load(checkpoint.save(root, 1, trainer, {}), restored)
+    second = [trainer.step(batch), restored.step(batch)]
     if rank == 0:
-        torch.save({"metrics": metrics, "params": params}, out)
+        torch.save({"metrics": metrics, "params": params, "second": second}, out)
     dist.destroy_process_group()
 
 

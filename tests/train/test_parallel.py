@@ -64,7 +64,8 @@ def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(mode
 def test_a_two_rank_critic_steps_as_one_process_does(tmp_path):
     """What the JustRL II recipe runs (its critic on 2 GPUs): the value head is sharded beside the backbone,
     so gradient clipping sees one kind of tensor (a plain value head crashed the first critic step), and
-    the step's metrics are the whole batch's, not rank 0's share."""
+    the step's metrics are the whole batch's, not rank 0's share. A checkpoint of it restores the critic:
+    the next step is the same from the restored one."""
     arch = get_model("qwen3-tiny")
     torch.manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (4, 9))
@@ -77,6 +78,7 @@ def test_a_two_rank_critic_steps_as_one_process_does(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(Path(__file__).with_name("critic_ranks.py")), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
+    cmd += [str(tmp_path / "checkpoints")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     saved = torch.load(tmp_path / "out.pt")
@@ -91,6 +93,8 @@ def test_a_two_rank_critic_steps_as_one_process_does(tmp_path):
     for name, param in one.items():
         assert torch.allclose(saved["params"][name], param.detach(), rtol=1e-5, atol=1e-6), name
     assert not torch.equal(one["value_head.weight"], torch.zeros_like(one["value_head.weight"])), "the head learned"
+    continued, restored = saved["second"]
+    assert continued == restored and continued["value_loss"] < metrics["value_loss"]
 
 
 @pytest.mark.parametrize("model_name", ["qwen3-tiny", "qwen3-tiny-moe"])
