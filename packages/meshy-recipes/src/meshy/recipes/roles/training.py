@@ -132,7 +132,8 @@ class TrainingRole:
         record_released(self.ctx)
 
     def _keep_final_weights(self) -> Path:
-        """The last version as an HF directory; every rank calls it (gathering the model is a collective)."""
+        """The last version as an HF directory, in the dtype every version was published in, whatever the
+        transport; every rank calls it (gathering the model is a collective)."""
         final = self.ctx.run_dir / "final_weights"
         if isinstance(self.publisher, DirectoryPublisher):
             if self.lead:
@@ -140,7 +141,8 @@ class TrainingRole:
                     self.ctx.run_dir / "weights" / f"v{self.service.version:06d}", final, dirs_exist_ok=True
                 )
         else:  # shared-memory and broadcast versions vanish with the run: write the last one to disk
-            published = DirectoryPublisher(self.ctx.run_dir / "final", self.arch, None, dtype="float32").publish(
+            dtype = self.ctx.recipe.model.dtype
+            published = DirectoryPublisher(self.ctx.run_dir / "final", self.arch, None, dtype=dtype).publish(
                 self.trainer.model, self.service.version
             )
             if self.lead:

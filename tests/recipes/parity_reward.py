@@ -1,0 +1,8 @@
+"""A stand-in reward for miniature runs: the parity of the response's characters. About half of any
+model's responses earn 1, so nearly every group's rewards differ and dynamic sampling keeps it: the
+trainer steps whatever the model (a tiny random one rarely adds right, and its groups would all be
+dropped)."""
+
+
+def parity_reward(response: str, ground_truth: str) -> float:
+    return float(sum(map(ord, response)) % 2)
