@@ -240,7 +240,8 @@ class SGLangEngine(Engine):
     `bucket_bytes`: the most bytes of in-memory weights sent to SGLang in one flattened bucket.
     `stream_interval`: how many tokens SGLang produces between two reports of a request's output.
     `record_routing`: every Generation carries the experts a mixture's layers chose for each output token
-    (routing replay; needs pause_mode "abort", see the module docstring). Other
+    (routing replay; needs pause_mode "abort", see the module docstring). On the CPU the KV cache holds
+    max_running requests of max_len tokens (by default SGLang takes most of the free host memory). Other
     keyword arguments are passed to sglang.Engine as they are (mem_fraction_static, max_total_tokens,
     disable_radix_cache, tp_size, ...), except those this class sets itself (SchemaError names the
     parameter to use). Starting takes 20-60 s and blocks; construct it off a running event loop.
@@ -335,6 +336,8 @@ class SGLangEngine(Engine):
             args["max_running_requests"] = max_running
         if device == "cpu":
             args["attention_backend"] = "torch_native"
+            if max_running is not None:  # else SGLang sizes the cache from free host memory: most of it
+                args["max_total_tokens"] = max_running * (max_len + _CONTEXT_SLACK)
         if in_memory is not None:  # SGLang starts from config.json alone, its weights filled below
             args["load_format"] = "dummy"
         try:
