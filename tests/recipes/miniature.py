@@ -3,7 +3,7 @@ checkpointing, FSDP and expert parallelism, colocation rings, publishing, roles)
 run in half a minute. Changed: the model (the tiny one of its family, from scratch, vocabulary 17), the
 task (the default's arithmetic problems, rewarded by parity_reward, so that dynamic sampling keeps groups
 and the trainer steps), sizes (steps, groups, tokens, at most two processes a role), devices (CPU), engines
-(TorchEngine: SGLang has a tier of its own) and nodes (one)."""
+(TorchEngine, or SGLang on its CPU path) and nodes (one)."""
 
 import json
 import tomllib
@@ -21,9 +21,10 @@ def tiny_model(name: str) -> str:
     return next(tiny for prefix, tiny in TINY if name.startswith(prefix))
 
 
-def miniature(shipped: Path, run_dir: Path, teacher: Path | None = None) -> dict:
+def miniature(shipped: Path, run_dir: Path, teacher: Path | None = None, engine: str = "torch") -> dict:
     """The recipe at `shipped` in miniature, writing under run_dir; teacher: HF weights of the tiny model
-    for a recipe with a teacher."""
+    for a recipe with a teacher. engine "sglang": inference and teacher on SGLang, one process each (an
+    engine's start takes most of a CPU core for a minute)."""
     data = tomllib.loads(shipped.read_text())
     default = tomllib.loads(DEFAULT_RECIPE.read_text())
     data.pop("topology", None)
@@ -48,9 +49,10 @@ def miniature(shipped: Path, run_dir: Path, teacher: Path | None = None) -> dict
     for axis in ("dp_shard", "ep"):
         if parallel.get(axis, 1) > 1:
             parallel[axis] = RANKS
-    data["sampling"].update(engine="torch", max_new_tokens=3, context_length=16, max_in_flight=64)
+    data["sampling"].update(engine=engine, max_new_tokens=3, context_length=16, max_in_flight=64)
+    single = ("rollout", "environment") + (("inference", "teacher") if engine == "sglang" else ())
     for name, role in data["roles"].items():
-        role["processes"] = min(role["processes"], 1 if name in ("rollout", "environment") else RANKS)
+        role["processes"] = min(role["processes"], 1 if name in single else RANKS)
         for placement in ("devices_per_process", "memory_fraction", "node"):
             role.pop(placement, None)
     return data

@@ -3,6 +3,7 @@ combination of features it ships (dtype, activation checkpointing, FSDP and expe
 several ranks, rings, pacing, dynamic sampling, TIS, PPO's critic, a teacher, checkpoints) runs as the
 recipe combines them, which no GPU here can. Recipes whose miniatures are the same run share one."""
 
+import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -15,12 +16,15 @@ from meshy.recipes.catalog import gpus_needed, shipped
 from meshy.recipes.recipe import load_recipe
 from meshy.recipes.roles.rollout import FREE_BATCHES
 from meshy.train import checkpoint
+from tests.infer.test_sglang_engine import use_stub_kernels
 from tests.recipes.miniature import STEPS, miniature, toml
 from tests.recipes.test_pipeline import check_run, check_turns, records, run, sharp_teacher
 
 # Multi-turn: its task is a sandboxed tool over Qwen3's tokenizer, not a part a miniature can swap;
 # tests/recipes/test_agent_run.py and test_smollm2_tools.py run that path on the CPU.
 NOT_IN_MINIATURE = {"qwen3-1.7b-python-math-8gpu"}
+# Recipes without a ring whose miniatures also run with SGLang: a teacher, a critic, broadcast versions.
+SGLANG_RUNS = ("distill-qwen3-8b-to-1.7b-8gpu", "justrl2-ppo-qwen3-1.7b-8gpu", "qwen3-1.7b-grpo-dapo-2x8gpu")
 GPU_RECIPES = {
     name: path
     for name, path in sorted(shipped().items())
@@ -53,11 +57,31 @@ def test_every_gpu_recipe_but_the_multi_turn_one_has_a_miniature():
 @pytest.mark.slow
 @pytest.mark.parametrize("names", same_runs(), ids=lambda names: names[0])
 def test_a_shipped_gpu_recipe_runs_in_miniature_on_the_cpu(names, tmp_path):
-    shipped_path = GPU_RECIPES[names[0]]
+    run_miniature(names[0], tmp_path, "torch")
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("name", SGLANG_RUNS)
+def test_a_shipped_gpu_recipe_runs_in_miniature_with_sglang_engines(name, tmp_path):
+    """Inference (and the teacher) on SGLang, as every GPU recipe ships, on its CPU path. Recipes without
+    a ring: on the CPU SGLang cannot release its memory (its memory saver needs CUDA)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed (uv sync --extra sglang)")
+    assert not load_recipe(GPU_RECIPES[name]).colocate
+    use_stub_kernels()
+    run_dir = run_miniature(name, tmp_path, "sglang")
+    for process in ("inference-0",) + ("teacher-0",) * bool(load_recipe(GPU_RECIPES[name]).roles.teacher):
+        (built,) = [r for r in records(run_dir, process) if r["kind"] == "engine"]
+        assert (built["engine"], built["dtype"]) == ("SGLangEngine", "bfloat16"), built
+
+
+def run_miniature(name: str, tmp_path: Path, engine: str) -> Path:
+    """Runs the recipe's miniature and checks its ledger and what its features left behind."""
+    shipped_path = GPU_RECIPES[name]
     teacher = sharp_teacher(tmp_path / "teacher") if load_recipe(shipped_path).model.teacher else None
     (tmp_path / "run").mkdir()
     path = tmp_path / "run" / "recipe.toml"
-    path.write_text(toml(miniature(shipped_path, tmp_path / "run", teacher=teacher)))
+    path.write_text(toml(miniature(shipped_path, tmp_path / "run", teacher=teacher, engine=engine)))
     recipe = load_recipe(path)
     algo = recipe.algorithm
     run_dir = run(path)
@@ -85,3 +109,4 @@ def test_a_shipped_gpu_recipe_runs_in_miniature_on_the_cpu(names, tmp_path):
         for index in range(spec.processes if spec else 0):
             done = records(run_dir, f"{role}-{index}")[-1]
             assert (done["steps"] if role == "critic" else done["rows"]) > 0, done
+    return run_dir

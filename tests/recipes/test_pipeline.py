@@ -51,7 +51,7 @@ def meshy_run(recipe: Path, timeout: float = 300) -> subprocess.CompletedProcess
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
     )
 
 

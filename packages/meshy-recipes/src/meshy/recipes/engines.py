@@ -18,7 +18,14 @@ def build_engine(
     recipe's model dtype, sized by `sampling.max_in_flight` and `sampling.context_length`. colocate: the
     engine will release and onload its device memory for a GPU token ring. version: the weights version
     `source` holds (default: a Published source's, else 0). record_routing: the engine reports a
-    mixture's experts per generated token (routing replay; TorchEngine always does for a mixture)."""
+    mixture's experts per generated token (routing replay; TorchEngine always does for a mixture). The
+    process's records say which engine it built."""
+    engine = _engine(ctx, source, colocate, version, record_routing)
+    ctx.record("engine", engine=type(engine).__name__, device=ctx.slot.device, dtype=ctx.recipe.model.dtype)
+    return engine
+
+
+def _engine(ctx: RoleContext, source: ModelSource, colocate: bool, version: int | None, record_routing: bool) -> Engine:
     sampling, dtype = ctx.recipe.sampling, ctx.recipe.model.dtype
     if sampling.engine == "sglang":
         from meshy.infer.sglang_engine import SGLangEngine
