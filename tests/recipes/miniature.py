@@ -1,15 +1,16 @@
 """A shipped GPU recipe in miniature: the same run (algorithm, loss, pacing, dtype, activation
 checkpointing, FSDP and expert parallelism, colocation rings, publishing, roles) at a size two CPU cores
-run in half a minute. Changed: the model (the tiny one of its family, from scratch, vocabulary 17), the
-task (the default's arithmetic problems, rewarded by parity_reward, so that dynamic sampling keeps groups
-and the trainer steps), sizes (steps, groups, tokens, at most two processes a role), devices (CPU), engines
-(TorchEngine, or SGLang on its CPU path) and nodes (one)."""
+run in half a minute. Changed: the model (the tiny one of its family, from scratch), the task (the
+default's arithmetic problems, rewarded by parity_reward, so that dynamic sampling keeps groups and the
+trainer steps; for a multi-turn recipe, the agent tests' echo task), sizes (steps, groups, tokens, at most
+two processes a role), devices (CPU), engines (TorchEngine, or SGLang on its CPU path) and nodes (one)."""
 
 import json
 import tomllib
 from pathlib import Path
 
 from meshy.recipes.recipe import DEFAULT_RECIPE
+from tests.recipes.agent_task import SmallTokenizer
 
 STEPS, GROUPS, GROUP = 3, 4, 4  # GROUPS and GROUP as tests.recipes.test_pipeline's, whose checks apply
 RANKS = 2  # at most this many processes a role
@@ -39,6 +40,12 @@ def miniature(shipped: Path, run_dir: Path, teacher: Path | None = None, engine:
         assert teacher is not None, f"{shipped.name} has a teacher: pass its tiny weights"
         model["teacher"] = str(teacher)
     data["task"] = {**default["task"], "reward": "tests.recipes.parity_reward:parity_reward"}
+    tokens = {"max_new_tokens": 3, "context_length": 16}
+    if "agent" in data:  # multi-turn: the echo task of the agent tests stands in for a tool task
+        data["task"] = {f: f"tests.recipes.agent_task:{f}" for f in ("tokenizer", "problems", "environment")}
+        data["agent"] = {"max_turns": 3, "max_tokens": 160, "enable_thinking": False}
+        model["overrides"] = {"vocab_size": SmallTokenizer.vocab_size}
+        tokens = {"max_new_tokens": 40, "context_length": 512}
     algorithm = data["algorithm"]
     algorithm.update(group_size=GROUP, prompts_per_step=GROUPS)
     if algorithm.get("overlong_buffer"):
@@ -49,7 +56,7 @@ def miniature(shipped: Path, run_dir: Path, teacher: Path | None = None, engine:
     for axis in ("dp_shard", "ep"):
         if parallel.get(axis, 1) > 1:
             parallel[axis] = RANKS
-    data["sampling"].update(engine=engine, max_new_tokens=3, context_length=16, max_in_flight=64)
+    data["sampling"].update(engine=engine, max_in_flight=64, **tokens)
     single = ("rollout", "environment") + (("inference", "teacher") if engine == "sglang" else ())
     for name, role in data["roles"].items():
         role["processes"] = min(role["processes"], 1 if name in single else RANKS)

@@ -20,16 +20,9 @@ from tests.infer.test_sglang_engine import use_stub_kernels
 from tests.recipes.miniature import STEPS, miniature, toml
 from tests.recipes.test_pipeline import check_run, check_turns, records, run, sharp_teacher
 
-# Multi-turn: its task is a sandboxed tool over Qwen3's tokenizer, not a part a miniature can swap;
-# tests/recipes/test_agent_run.py and test_smollm2_tools.py run that path on the CPU.
-NOT_IN_MINIATURE = {"qwen3-1.7b-python-math-8gpu"}
 # Recipes without a ring whose miniatures also run with SGLang: a teacher, a critic, broadcast versions.
 SGLANG_RUNS = ("distill-qwen3-8b-to-1.7b-8gpu", "justrl2-ppo-qwen3-1.7b-8gpu", "qwen3-1.7b-grpo-dapo-2x8gpu")
-GPU_RECIPES = {
-    name: path
-    for name, path in sorted(shipped().items())
-    if gpus_needed(load_recipe(path)) and name not in NOT_IN_MINIATURE
-}
+GPU_RECIPES = {name: path for name, path in sorted(shipped().items()) if gpus_needed(load_recipe(path))}
 
 
 def same_runs() -> list[list[str]]:
@@ -48,10 +41,9 @@ def safetensors_dtypes(path: Path) -> set[str]:
     return {entry["dtype"] for key, entry in json.loads(header[8 : 8 + size]).items() if key != "__metadata__"}
 
 
-def test_every_gpu_recipe_but_the_multi_turn_one_has_a_miniature():
+def test_every_gpu_recipe_has_a_miniature():
     names = [name for group in same_runs() for name in group]
-    assert sorted(names) == sorted(GPU_RECIPES) and len(GPU_RECIPES) >= 12
-    assert set(shipped()) >= NOT_IN_MINIATURE, "a recipe left out is still shipped"
+    assert sorted(names) == sorted(GPU_RECIPES) and len(GPU_RECIPES) >= 13
 
 
 @pytest.mark.slow
