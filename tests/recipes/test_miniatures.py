@@ -20,8 +20,14 @@ from tests.infer.test_sglang_engine import use_stub_kernels
 from tests.recipes.miniature import STEPS, miniature, toml
 from tests.recipes.test_pipeline import check_run, check_turns, records, run, sharp_teacher
 
-# Recipes without a ring whose miniatures also run with SGLang: a teacher, a critic, broadcast versions.
-SGLANG_RUNS = ("distill-qwen3-8b-to-1.7b-8gpu", "justrl2-ppo-qwen3-1.7b-8gpu", "qwen3-1.7b-grpo-dapo-2x8gpu")
+# Recipes without a ring whose miniatures also run with SGLang: a teacher, a critic, broadcast versions,
+# MiniCPM5's Llama layout.
+SGLANG_RUNS = (
+    "distill-qwen3-8b-to-1.7b-8gpu",
+    "justrl2-ppo-qwen3-1.7b-8gpu",
+    "qwen3-1.7b-grpo-dapo-2x8gpu",
+    "minicpm5-1b-grpo-ultradata-8gpu",
+)
 GPU_RECIPES = {name: path for name, path in sorted(shipped().items()) if gpus_needed(load_recipe(path))}
 
 
