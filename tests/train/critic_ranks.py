@@ -3,7 +3,7 @@ over the ranks), takes one clipped value-loss step on its share of a batch, and 
 metrics and the full parameters after it. Then the ranks checkpoint the critic, restore it into a critic
 built from another seed, and both take a second step: rank 0 saves both steps' metrics.
 
-Arguments: inputs file, output file, checkpoint root."""
+Arguments: inputs file, output file, checkpoint root, data-parallel replicas."""
 
 import sys
 
@@ -19,25 +19,26 @@ from meshy.train.parallel import build_model, load_weights
 from meshy.train.process_group import init_process_group
 
 
-def critic(seed: int) -> CriticTrainer:
+def critic(seed: int, replicas: int) -> CriticTrainer:
     arch = get_model("qwen3-tiny")
-    backbone, _ = build_model(arch, ParallelConfig(), device="cpu", seed=seed)
+    backbone, _ = build_model(arch, ParallelConfig(dp_replicate=replicas), device="cpu", seed=seed)
     return CriticTrainer(ValueModel(backbone, arch.hidden_size, 0.5), OptimConfig(lr=1e-2), value_clip=0.2)
 
 
 def main() -> None:
-    inputs, out, root = sys.argv[1], sys.argv[2], sys.argv[3]
+    inputs, out, root, replicas = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     init_process_group("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = torch.load(inputs)
-    trainer = critic(seed=0)
+    trainer = critic(seed=0, replicas=replicas)
     load_weights(trainer.model.backbone, get_model("qwen3-tiny"), data["weights"])
     batch = ValueBatch(**{k: data[k].chunk(world)[rank] for k in ("tokens", "mask", "returns", "old_values")})
     metrics = trainer.step(batch)
     params = {}
     for name, param in trainer.model.named_parameters():
-        params[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-    restored = critic(seed=1)
+        # a copy: full_tensor() of a parameter no rank shares (one shard) is a view the next step changes
+        params[name] = (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+    restored = critic(seed=1, replicas=replicas)
     checkpoint.load(checkpoint.save(root, 1, trainer, {}), restored)
     second = [trainer.step(batch), restored.step(batch)]
     if rank == 0:

@@ -2,7 +2,7 @@
 the batch's global token count; rank 0 saves the full gradients. Then each rank takes a policy step
 (policy gradient and KL to a reference) on its share, and rank 0 saves the step's metrics.
 
-Arguments: model name, inputs file, output file, expert-parallel degree."""
+Arguments: model name, inputs file, output file, expert-parallel degree, data-parallel replicas."""
 
 import sys
 
@@ -19,11 +19,11 @@ from meshy.train.trainer import PolicyBatch, PolicyTrainer
 
 
 def main() -> None:
-    model_name, inputs, out, ep = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    model_name, inputs, out, ep, replicas = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     init_process_group("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = get_model(model_name)
-    model, _ = build_model(arch, ParallelConfig(ep=ep), device="cpu")
+    model, _ = build_model(arch, ParallelConfig(ep=ep, dp_replicate=replicas), device="cpu")
     data = torch.load(inputs)
     load_weights(model, arch, data["weights"])
     tokens, mask = data["tokens"].chunk(world)[rank], data["mask"].chunk(world)[rank]

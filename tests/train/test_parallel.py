@@ -19,14 +19,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    ("model_name", "ep"), [("qwen3-tiny", 1), ("minicpm5-tiny", 1), ("qwen3-tiny-moe", 1), ("qwen3-tiny-moe", 2)]
+    ("model_name", "ep", "replicas"),
+    [
+        ("qwen3-tiny", 1, 1),
+        ("minicpm5-tiny", 1, 1),
+        ("qwen3-tiny-moe", 1, 1),
+        ("qwen3-tiny-moe", 2, 1),
+        ("qwen3-tiny", 1, 2),
+    ],
 )
-def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(model_name, ep, tmp_path):
+def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(model_name, ep, replicas, tmp_path):
     """ep = 2: the experts split over the two ranks (what the Qwen3-30B-A3B recipes run), tokens sent to
-    their experts' rank and back. torchtitan computes routed experts in bfloat16 whatever the model's
-    dtype: with ep = 1 each rank's expert gradients are rounded to bfloat16 before the two are summed, so
-    they differ from one process's by that rounding (with ep = 2 each expert sees all its tokens on one
-    rank, as in one process)."""
+    their experts' rank and back. replicas = 2: each rank holds the whole model (dp_replicate, HSDP with
+    one shard), gradients summed over the replicas. torchtitan computes routed experts in bfloat16
+    whatever the model's dtype: with ep = 1 each rank's expert gradients are rounded to bfloat16 before
+    the two are summed, so they differ from one process's by that rounding (with ep = 2 each expert sees
+    all its tokens on one rank, as in one process)."""
     arch = get_model(model_name)
     reference, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
     torch.manual_seed(0)
@@ -43,7 +51,7 @@ def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(mode
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(Path(__file__).with_name("fsdp_grads.py")), model_name, str(tmp_path / "inputs.pt")]
-    cmd += [str(tmp_path / "grads.pt"), str(ep)]
+    cmd += [str(tmp_path / "grads.pt"), str(ep), str(replicas)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     saved = torch.load(tmp_path / "grads.pt")
@@ -61,11 +69,12 @@ def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(mode
         assert saved["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
 
 
-def test_a_two_rank_critic_steps_as_one_process_does(tmp_path):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_two_rank_critic_steps_as_one_process_does(replicas, tmp_path):
     """What the JustRL II recipe runs (its critic on 2 GPUs): the value head is sharded beside the backbone,
     so gradient clipping sees one kind of tensor (a plain value head crashed the first critic step), and
     the step's metrics are the whole batch's, not rank 0's share. A checkpoint of it restores the critic:
-    the next step is the same from the restored one."""
+    the next step is the same from the restored one. replicas = 2: the whole critic on each rank (HSDP)."""
     arch = get_model("qwen3-tiny")
     torch.manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (4, 9))
@@ -78,7 +87,7 @@ def test_a_two_rank_critic_steps_as_one_process_does(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(Path(__file__).with_name("critic_ranks.py")), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
-    cmd += [str(tmp_path / "checkpoints")]
+    cmd += [str(tmp_path / "checkpoints"), str(replicas)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     saved = torch.load(tmp_path / "out.pt")
