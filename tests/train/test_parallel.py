@@ -18,6 +18,15 @@ from meshy.train.trainer import PolicyBatch, PolicyTrainer
 REPO = Path(__file__).resolve().parents[2]
 
 
+def two_ranks(script: str, *args: object) -> None:
+    """Runs a torchrun body of this directory on two CPU ranks; it must succeed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(Path(__file__).with_name(script)), *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
 @pytest.mark.parametrize(
     ("model_name", "ep", "replicas"),
     [
@@ -48,12 +57,7 @@ def test_two_rank_fsdp_gradients_and_step_metrics_equal_single_process_ones(mode
     logprobs = token_logprobs(forward_logits(reference, tokens), tokens)
     (-(logprobs * mask).sum() / mask.sum()).backward()
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(Path(__file__).with_name("fsdp_grads.py")), model_name, str(tmp_path / "inputs.pt")]
-    cmd += [str(tmp_path / "grads.pt"), str(ep), str(replicas)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    two_ranks("fsdp_grads.py", model_name, tmp_path / "inputs.pt", tmp_path / "grads.pt", ep, replicas)
     saved = torch.load(tmp_path / "grads.pt")
     fsdp = saved["grads"]
     assert set(fsdp) == {name for name, _ in reference.named_parameters()}
@@ -84,12 +88,7 @@ def test_a_two_rank_critic_steps_as_one_process_does(replicas, tmp_path):
     weights = dict(hf_tensors(backbone, arch, torch.float32))
     inputs = dict(weights=weights, tokens=tokens, mask=mask, returns=returns, old_values=old_values)
     torch.save(inputs, tmp_path / "inputs.pt")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(Path(__file__).with_name("critic_ranks.py")), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
-    cmd += [str(tmp_path / "checkpoints"), str(replicas)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    two_ranks("critic_ranks.py", tmp_path / "inputs.pt", tmp_path / "out.pt", tmp_path / "checkpoints", replicas)
     saved = torch.load(tmp_path / "out.pt")
 
     trainer = CriticTrainer(ValueModel(backbone, arch.hidden_size, 0.5), OptimConfig(lr=1e-2), value_clip=0.2)
