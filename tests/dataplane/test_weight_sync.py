@@ -10,10 +10,13 @@ import torch.distributed as dist
 from meshy.dataplane import SchemaError
 from meshy.dataplane.errors import WeightSyncError
 from meshy.dataplane.weight_sync import WeightSyncGroup
+from meshy.dataplane.weights import COLLECTIVE, Published
 from tests.dataplane import workers
 
 
-def run_group(mp_context, tmp_path, corrupt: bool = False, quitter: int | None = None, members: int = 3) -> list[dict]:
+def run_group(
+    mp_context, tmp_path, corrupt: bool = False, quitter: int | None = None, members: int = 3, hosted: bool = False
+) -> list[dict]:
     store = dist.TCPStore(
         "127.0.0.1", 0, members, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
@@ -21,7 +24,8 @@ def run_group(mp_context, tmp_path, corrupt: bool = False, quitter: int | None =
     outs = [tmp_path / f"member{r}.json" for r in range(members)]
     procs = [
         mp_context.Process(
-            target=workers.weight_sync_member, args=(store.port, r, members, announced, str(outs[r]), corrupt, quitter)
+            target=workers.weight_sync_member,
+            args=(store.port, r, members, announced, str(outs[r]), corrupt, quitter, hosted),
         )
         for r in range(members)
     ]
@@ -39,8 +43,18 @@ def test_every_engine_receives_the_version_bit_for_bit_in_several_buckets(mp_con
     assert engines == [{"config": {"model_type": "test"}, "bit_exact": True}] * 2
 
 
-def test_a_version_whose_bytes_do_not_match_its_checksum_is_refused(mp_context, tmp_path):
-    _, *engines = run_group(mp_context, tmp_path, corrupt=True)
+def test_members_that_form_the_group_themselves_where_the_publisher_hosts_it_receive_it_bit_for_bit(
+    mp_context, tmp_path
+):
+    """As SGLang's schedulers do: the announcement says where the group meets (a port the publisher chose)."""
+    sender, *engines = run_group(mp_context, tmp_path, hosted=True)
+    assert sender["buckets"] > 1
+    assert engines == [{"config": {"model_type": "test"}, "bit_exact": True}] * 2
+
+
+@pytest.mark.parametrize("hosted", [False, True])
+def test_a_version_whose_bytes_do_not_match_its_checksum_is_refused(mp_context, tmp_path, hosted):
+    _, *engines = run_group(mp_context, tmp_path, corrupt=True, hosted=hosted)
     for engine in engines:
         assert engine["error"] == "CorruptWeights: weights v1 (collective): checksum mismatch"
 
@@ -58,6 +72,15 @@ def test_a_member_that_never_joins_fails_the_group_at_its_timeout_naming_it():
         WeightSyncError, match="rank 0 of 2: could not connect to every member \\(not every member joined within 2 s"
     ):
         WeightSyncGroup(store, 0, 2, timeout_s=2)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_hosted_group_that_a_member_never_joins_fails_the_first_send_at_its_timeout():
+    group = WeightSyncGroup.hosting("127.0.0.1", 2, "meshy-test", timeout_s=2)
+    published = Published(1, COLLECTIVE, "{}", "", 0, 0.0)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="rank 0 of 2: could not connect to every member"):
+        group.send(published, {})
     assert time.monotonic() - t0 < 30
 
 

@@ -99,21 +99,32 @@ def churn_consumer(endpoints: str, secret: bytes, table: str, task: str, log: st
 
 
 def weight_sync_member(
-    port: int, rank: int, size: int, announced, out: str, corrupt: bool = False, quitter: int | None = None
+    port: int,
+    rank: int,
+    size: int,
+    announced,
+    out: str,
+    corrupt: bool = False,
+    quitter: int | None = None,
+    hosted: bool = False,
 ) -> None:
     """One member of a weight-sync group: rank 0 packs seeded tensors into small buckets and broadcasts
     them (announcing the version on `announced`, a queue standing in for the `weights` stream); the
     others receive and write what they got, or the error, to `out`. Rank `quitter` exits instead of
-    receiving."""
+    receiving. hosted: rank 0 hosts the group, and the others form it where the announcement says, as
+    SGLang's schedulers do (torch's named-group helper over a tcp:// rendezvous)."""
     import torch
     import torch.distributed as dist
 
     from meshy.dataplane.weight_sync import WeightSyncGroup
     from meshy.dataplane.weights import COLLECTIVE, BucketLayout, Published, tensors_checksum
 
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=60))
-    group = WeightSyncGroup(store, rank, size, timeout_s=60)
-    store.set(f"connected/{rank}", "1")  # this member's connections to every other are up
+    if hosted:
+        group = WeightSyncGroup.hosting("127.0.0.1", size, "meshy-test", timeout_s=60) if rank == 0 else None
+    else:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=60))
+        group = WeightSyncGroup(store, rank, size, timeout_s=60)
+        store.set(f"connected/{rank}", "1")  # this member's connections to every other are up
     if rank == 0:
         tensors = sync_tensors()
         layout = BucketLayout.plan([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1000)
@@ -121,6 +132,8 @@ def weight_sync_member(
         layout.pack(buckets, tensors.items())
         checksum = tensors_checksum({**tensors, "w": tensors["w"] + 1} if corrupt else tensors)
         meta = {"config": {"model_type": "test"}, "buckets": layout.sizes, "tensors": layout.manifest}
+        if hosted:
+            meta["rendezvous"] = group.rendezvous
         published = Published(1, COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), 0.0)
         for _ in range(size - 1):
             announced.put(published.to_message())
@@ -137,6 +150,8 @@ def weight_sync_member(
         Path(out).write_text("{}")
         return
     published = Published.from_message(announced.get(timeout=60))
+    if hosted:
+        group = WeightSyncGroup.over(named_group(json.loads(published.location)["rendezvous"], rank))
     try:
         config, received = group.receive(published)
     except Exception as e:
@@ -147,6 +162,22 @@ def weight_sync_member(
         received[n].dtype == expected[n].dtype and torch.equal(received[n], expected[n]) for n in expected
     )
     Path(out).write_text(json.dumps({"config": config, "bit_exact": same}))
+
+
+def named_group(place: dict, rank: int):
+    """Rank `rank` of the gloo group `place` names, formed the way SGLang's init_weights_update_group forms
+    its update group: a tcp:// rendezvous, its store prefixed with the group's name, torch's helper."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper
+
+    timeout = timedelta(seconds=60)
+    url = f"tcp://{place['address']}:{place['port']}"
+    store, _, _ = next(dist.rendezvous(url, rank, place["size"], timeout=timeout))
+    store = dist.PrefixStore(place["group"], store)
+    group, _ = _new_process_group_helper(
+        place["size"], rank, [], Backend("gloo"), store, group_name=place["group"], timeout=timeout
+    )
+    return group
 
 
 def sync_tensors() -> dict:

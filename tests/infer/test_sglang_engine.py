@@ -9,6 +9,7 @@ closes it gets a new one for the next.
 
 import asyncio
 import importlib.util
+import json
 import os
 import queue
 import subprocess
@@ -20,7 +21,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.weight_sync import WeightSyncGroup
@@ -342,26 +342,35 @@ def test_the_engine_starts_while_another_process_takes_and_gives_back_memory(sha
     assert 1 <= len(generated.output_ids) <= 4
 
 
-def test_an_engine_starts_from_a_broadcast_version_and_takes_the_next_one(shared, published):
-    """What the inference role does with publish = "collective": the first version received on the
-    weight-sync group (tensors in memory) starts the engine, the next one updates it; each serves what a
-    reference engine serves from the same weights on disk."""
+def test_an_engine_receives_broadcast_versions_in_sglang_and_keeps_serving_when_one_fails_its_checksum(
+    shared, published
+):
+    """What the inference role does with publish = "collective": the engine starts from the first
+    version's announcement, its scheduler joins the weight-sync group where the announcement says (SGLang's
+    own update group, which the publisher hosts) and receives every version there, whole or as a delta;
+    each serves what a reference engine serves from the same weights on disk. A version whose checksum does
+    not match is not loaded at all: the engine goes on serving the one before."""
     for engine in shared:  # one SGLang engine per process at a time: this one becomes the module's
         if not engine.closed:
             asyncio.run(engine.close())
-    store, announced = dist.HashStore(), queue.Queue()
-    stream = SimpleNamespace(append=lambda _, message: announced.put(message))
+    announced = queue.Queue()
+    torn = {6}  # versions announced with a checksum their tensors do not have
 
-    def publish() -> None:
-        publisher = CollectivePublisher(WeightSyncGroup(store, 0, 2, timeout_s=300), ARCH, stream, dtype="float32")
-        for version, seed in ((3, 0), (4, 1)):
-            publisher.publish(sharp_model(seed), version)
+    def announce(_, message: dict) -> None:
+        if message["version"] in torn:
+            message = {**message, "checksum": "0" * 32}
+        announced.put(Published.from_message(message))
 
-    sender = threading.Thread(target=publish)
+    hosting = WeightSyncGroup.hosting("127.0.0.1", size=2, name="meshy-weights", timeout_s=300)
+    no_resync = SimpleNamespace(read=lambda max_n: [])  # no engine asks for a whole version here
+    stream = SimpleNamespace(append=announce, reader=lambda *_, **__: no_resync)
+    publisher = CollectivePublisher(hosting, ARCH, stream, dtype="float32", delta=True, full_every=100)
+    models = {3: sharp_model(0), 4: sharp_model(1), 5: sharp_model(0), 6: sharp_model(1)}
+    sender = threading.Thread(target=lambda: [publisher.publish(models[v], v) for v in sorted(models)])
     sender.start()
-    group = WeightSyncGroup(store, 1, 2, timeout_s=300)
-    config, tensors = group.receive(Published.from_message(announced.get(timeout=300)))
-    shared.append(start_engine((config, tensors), version=3))
+    first = announced.get(timeout=300)
+    assert "delta" not in json.loads(first.location) and json.loads(first.location)["rendezvous"]["port"] > 0
+    shared.append(start_engine(first, weight_sync_rank=1))
     engine = shared[-1]
 
     async def serves(version: int, same_weights: Published) -> None:
@@ -374,9 +383,16 @@ def test_an_engine_starts_from_a_broadcast_version_and_takes_the_next_one(shared
         await reference.close()
 
     asyncio.run(serves(3, published[0]))  # sharp_model(0)'s weights
-    asyncio.run(engine.update_weights(4, group.receive(Published.from_message(announced.get(timeout=300)))[1]))
+    for version, same_weights in ((4, published[1]), (5, published[0])):
+        update = announced.get(timeout=300)
+        assert json.loads(update.location)["delta"]["base"] == version - 1, "a delta on the version before"
+        asyncio.run(engine.update_weights(version, update))
+        asyncio.run(serves(version, same_weights))
+    with pytest.raises(CorruptWeights, match="v6"):
+        asyncio.run(engine.update_weights(6, announced.get(timeout=300)))
     sender.join(60)
-    asyncio.run(serves(4, published[1]))  # sharp_model(1)'s
+    assert not sender.is_alive()
+    asyncio.run(serves(5, published[0]))  # still v5: nothing of v6 was loaded
     asyncio.run(back_to_start(engine, published[0]))
 
 

@@ -12,11 +12,16 @@ publisher broadcasts each version once and every engine joins every version, in 
 dies fails the others' broadcast (gloo notices the closed connection), and one that never joins fails
 it at the group's timeout.
 
+Engines that run their weights in processes of their own (SGLang's schedulers) join through their own
+code instead: the publisher then hosts the group's rendezvous (`WeightSyncGroup.hosting`), announces
+where it is with every version, and the members form the group as torch's named-group helper does
+(SGLang's init_weights_update_group); inside them, `WeightSyncGroup.over` receives and verifies.
+
 The group runs on gloo over host buffers, on CPU and GPU hosts alike (NCCL is not wired yet).
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -46,22 +51,55 @@ class WeightSyncGroup:
     rendezvousing through `store`. Construction waits until every member has joined."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float = 300.0):
+        self._setup(rank, size, timeout_s)
+        self._group = self._connect(dist.PrefixStore(STORE_PREFIX, store))
+
+    @classmethod
+    def over(cls, group: dist.ProcessGroup, timeout_s: float = 300.0) -> "WeightSyncGroup":
+        """Membership of a group formed by other code (SGLang's weights update group), as its rank."""
+        member = cls.__new__(cls)
+        member._setup(group.rank(), group.size(), timeout_s)
+        member._group = group
+        return member
+
+    @classmethod
+    def hosting(cls, address: str, size: int, name: str, timeout_s: float = 300.0) -> "WeightSyncGroup":
+        """The publisher (rank 0) of a group whose members form it with torch's named-group helper over
+        tcp://address:port (`rendezvous`, which every announced version carries): this hosts the
+        rendezvous store on a free port, and the group forms at the first send, when the members have
+        read the announcement; it waits `timeout_s` for them."""
+        member = cls.__new__(cls)
+        member._setup(PUBLISHER, size, timeout_s)
+        member._store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=member._timeout)
+        member.rendezvous = {"address": address, "port": member._store.port, "group": name, "size": size}
+        # The keys torch's _new_process_group_helper gives a gloo group named `name` that was formed over a
+        # tcp:// rendezvous prefixed with its name (SGLang's init_custom_process_group).
+        keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, member._store)))
+        member._group = None
+        member._form = lambda: member._connect(keys)
+        return member
+
+    def _setup(self, rank: int, size: int, timeout_s: float) -> None:
         if size < 2 or not 0 <= rank < size:
             raise SchemaError(f"weight-sync group: expected 0 <= rank < size and size >= 2, got rank {rank} of {size}")
         if not timeout_s > 0:
             raise SchemaError(f"weight-sync group timeout_s: expected seconds > 0, got {timeout_s!r}")
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self._timeout = timedelta(seconds=timeout_s)
+        self.rendezvous: dict | None = None  # where members join, when they form the group themselves
+        self._form: Callable[[], dist.ProcessGroup] | None = None
         self._layout: BucketLayout | None = None  # of the last whole version, received into _buffers
         self._buffers: dict[str, torch.Tensor] = {}
         self._base: dict[str, torch.Tensor] = {}  # views into _buffers: what deltas apply to
         self._base_version: int | None = None  # the version _base holds, if it holds one intact
-        prefixed = dist.PrefixStore(STORE_PREFIX, store)
+
+    def _connect(self, store: dist.Store) -> dist.ProcessGroup:
         try:
-            self._group = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
+            return dist.ProcessGroupGloo(store, self.rank, self.size, self._timeout)
         except RuntimeError as e:  # a member did not join in time, or died while the members connected
             raise WeightSyncError(
-                f"weight-sync group rank {rank} of {size}: could not connect to every member (not every member "
-                f"joined within {timeout_s:.0f} s, or one died meanwhile): {e}"
+                f"weight-sync group rank {self.rank} of {self.size}: could not connect to every member (not "
+                f"every member joined within {self.timeout_s:.0f} s, or one died meanwhile): {e}"
             ) from None
 
     def send(self, published: Published, buffers: Mapping[str, torch.Tensor]) -> None:
@@ -69,6 +107,8 @@ class WeightSyncGroup:
         every engine; returns once every engine has them."""
         if self.rank != PUBLISHER:
             raise SchemaError(f"weight-sync group: rank {self.rank} receives; only rank {PUBLISHER} sends")
+        if self._group is None:
+            self._group = self._form()
         for i, buffer in enumerate(buffers.values()):
             self._broadcast(buffer, f"v{published.version} bucket {i + 1}/{len(buffers)}")
 

@@ -27,6 +27,7 @@ vocabulary) gets its reason in the `error` column and an empty response, and the
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -101,7 +102,9 @@ class InferenceStats:
 
 class InferenceService:
     """weight_sync: this engine's membership of the weight-sync group, when versions are broadcast
-    (collective publishing): then every announced version is received, in order, and the newest loaded."""
+    (collective publishing): then every announced version is received, in order, and the newest loaded.
+    Without one, an engine that is in the group itself (SGLangEngine with weight_sync_rank) receives
+    and loads every announced version, in order."""
 
     def __init__(
         self,
@@ -323,6 +326,9 @@ class InferenceService:
         if not announced:
             return
         async with self._loading:
+            if announced[-1].format == COLLECTIVE and self.weight_sync is None:
+                await self._receive_in_engine(announced)
+                return
             if announced[-1].format == COLLECTIVE:
                 received = await self._receive(announced)
                 if received is not None and received[0] > self.engine.weight_version:
@@ -342,26 +348,36 @@ class InferenceService:
         intact (its tensors are valid until the next receive). A version that cannot be rebuilt asks the
         publisher for the next one whole (resync_stream), so a missed delta costs a version or two, not
         the versions until the next scheduled whole one."""
-        if self.weight_sync is None:
-            raise SchemaError(
-                f"weights v{announced[-1].version} are broadcast on the weight-sync group, "
-                "and this inference service is not in it"
-            )
         newest = None
-        for published in announced:
-            if published.version <= self._received:
-                continue
-            self._received = published.version  # joined, whatever the outcome: it is not sent again
+        for published in self._not_joined(announced):
             try:
                 _, tensors = await asyncio.to_thread(self.weight_sync.receive, published)
             except CorruptWeights as e:
-                self._not_loaded(published.version, e)
                 newest = None  # received into the same buffers: an earlier version's tensors are gone too
-                request = {"engine": self.client.consumer_id, "version": published.version, "error": str(e)}
-                await asyncio.to_thread(self.client.append, resync_stream(self.config.weights_stream), request)
+                await self._resync(published.version, e)
                 continue
             newest = (published.version, tensors)
         return newest
+
+    async def _receive_in_engine(self, announced: list[Published]) -> None:
+        """As _receive, for an engine that joins the broadcasts itself: it loads each version it receives."""
+        for published in self._not_joined(announced):
+            try:
+                await self._load(published.version, published)
+            except CorruptWeights as e:
+                await self._resync(published.version, e)
+
+    def _not_joined(self, announced: list[Published]) -> Iterator[Published]:
+        for published in announced:
+            if published.version > self._received:
+                self._received = published.version  # joined, whatever the outcome: it is not sent again
+                yield published
+
+    async def _resync(self, version: int, error: CorruptWeights) -> None:
+        """Ask the publisher for a whole version: this one could not be rebuilt or verified."""
+        self._not_loaded(version, error)
+        request = {"engine": self.client.consumer_id, "version": version, "error": str(error)}
+        await asyncio.to_thread(self.client.append, resync_stream(self.config.weights_stream), request)
 
     def _not_loaded(self, version: int, error: CorruptWeights) -> None:
         log.warning(

@@ -11,9 +11,15 @@ no other copy in this process). Its output carries the logprob of every sampled 
 applied, before top-k/top-p truncation, as the trainer computes it) and the spans of weight versions
 SGLang records, expanded here to one version per token.
 
-An engine starts from a published version, an HF directory, or (config, tensors) in memory (a version
-received on the weight-sync group): SGLang then starts from config.json alone with dummy weights, and
-the tensors go in as a weight update before the constructor returns.
+An engine starts from a published version, an HF directory, or (config, tensors) in memory: SGLang then
+starts from config.json alone with dummy weights, and the tensors go in as a weight update before the
+constructor returns.
+
+Versions broadcast on the weight-sync group (`publish = "collective"`) reach SGLang's schedulers
+directly: an engine given `weight_sync_rank` joins the group through SGLang's own weights update group,
+where the publisher's announcement says (gloo, on CPU and GPU hosts alike), and Meshy's SGLang plugin
+(meshy.infer.sglang_plugin) receives each version inside the schedulers and verifies its checksum before
+SGLang loads any of it. Such an engine starts from the first broadcast version's announcement.
 
 Pause, weight updates and release all hold generation the same way, with SGLang's pause_generation: in
 "retract" mode running requests go back to SGLang's queue and their KV cache is recomputed when
@@ -61,10 +67,18 @@ from typing import Any
 
 import torch
 
-from meshy.dataplane import HOST, SchemaError
+from meshy.dataplane import HOST, SchemaError, WeightSyncError
 from meshy.dataplane.hf_directory import HFDirectory, check_tensor_shapes
 from meshy.dataplane.model_source import ModelSource, read_model
-from meshy.dataplane.weights import DISK, SHARED_MEMORY, Published, read_published, verify_published
+from meshy.dataplane.weights import (
+    COLLECTIVE,
+    DISK,
+    SHARED_MEMORY,
+    CorruptWeights,
+    Published,
+    read_published,
+    verify_published,
+)
 from meshy.infer.engine import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -77,6 +91,7 @@ from meshy.infer.engine import (
     WeightsSource,
 )
 from meshy.infer.routing_log import EXPERT_ID_DTYPE
+from meshy.infer.sglang_plugin import NOT_VERIFIED, load_format
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +261,8 @@ class SGLangEngine(Engine):
     disable_radix_cache, tp_size, ...), except those this class sets itself (SchemaError names the
     parameter to use). Starting takes 20-60 s and blocks; construct it off a running event loop.
     `pause_mode` and `bucket_bytes` may be changed later (they apply from the next hold or update).
+    `weight_sync_rank`: the rank of the engine's first scheduler (of tp_size) in the weight-sync group,
+    for an engine that receives broadcast versions (it starts from the first one's announcement).
     """
 
     def __init__(
@@ -264,6 +281,7 @@ class SGLangEngine(Engine):
         bucket_bytes: int = 1 << 30,
         stream_interval: int = 1,
         record_routing: bool = False,
+        weight_sync_rank: int | None = None,
         **server_args: Any,
     ):
         if max_len < 2:
@@ -278,8 +296,31 @@ class SGLangEngine(Engine):
                 "SGLangEngine on CPU: deterministic=True needs a GPU attention backend and SGLang's Triton "
                 "sampler; colocate=True needs SGLang's CUDA memory saver"
             )
+        if weight_sync_rank is not None and weight_sync_rank < 1:
+            raise SchemaError(
+                f"SGLangEngine weight_sync_rank: expected >= 1 (0 is the publisher), got {weight_sync_rank}"
+            )
+        self._weight_sync_rank = weight_sync_rank
+        self._weight_sync_group: str | None = None  # SGLang's name of the group, once joined
         in_memory = None  # (config, tensors) to load once SGLang runs
-        if isinstance(source, Published):
+        broadcast = None  # the announced version to receive once SGLang runs
+        if isinstance(source, Published) and source.format == COLLECTIVE:
+            if weight_sync_rank is None:
+                raise SchemaError(
+                    f"SGLangEngine source: v{source.version} is broadcast on the weight-sync group; an engine "
+                    "that receives it needs its place in the group (weight_sync_rank)"
+                )
+            meta = json.loads(source.location)
+            if "delta" in meta:
+                raise SchemaError(
+                    f"SGLangEngine source: v{source.version} is a delta; an engine starts from a whole one"
+                )
+            self.config, self._shapes = meta["config"], {t["name"]: tuple(t["shape"]) for t in meta["tensors"]}
+            broadcast = source
+            model_path = Path(tempfile.mkdtemp(prefix="meshy-sglang-start-"))
+            (model_path / "config.json").write_text(json.dumps(self.config))
+            version = source.version if version is None else version
+        elif isinstance(source, Published):
             if source.format != DISK:
                 raise SchemaError(
                     f"SGLangEngine source: a {source.format} version cannot start an engine; start from a "
@@ -338,12 +379,13 @@ class SGLangEngine(Engine):
             args["attention_backend"] = "torch_native"
             if max_running is not None:  # else SGLang sizes the cache from free host memory: most of it
                 args["max_total_tokens"] = max_running * (max_len + _CONTEXT_SLACK)
-        if in_memory is not None:  # SGLang starts from config.json alone, its weights filled below
+        starts_empty = in_memory is not None or broadcast is not None
+        if starts_empty:  # SGLang starts from config.json alone, its weights filled below
             args["load_format"] = "dummy"
         try:
             self._sglang = sglang.Engine(**{**args, **server_args})
         finally:
-            if in_memory is not None:
+            if starts_empty:
                 shutil.rmtree(model_path, ignore_errors=True)
         # SGLang's own shutdown kills every child of this process, not only its own: ours kills its own.
         atexit.unregister(self._sglang.shutdown)
@@ -366,6 +408,9 @@ class SGLangEngine(Engine):
         if in_memory is not None:
             loading = self._update_from_tensors_on_loop(version, in_memory)
             asyncio.run_coroutine_threadsafe(loading, self._loop.loop).result()
+        if broadcast is not None:
+            receiving = self._update_from_broadcast_on_loop(version, broadcast)
+            asyncio.run_coroutine_threadsafe(receiving, self._loop.loop).result()
 
     @property
     def weight_version(self) -> int:
@@ -426,13 +471,22 @@ class SGLangEngine(Engine):
         if isinstance(source, Published):
             if source.version != version:
                 raise SchemaError(f"update_weights version: {version} given for published version {source.version}")
+            if source.format == COLLECTIVE:
+                meta = json.loads(source.location)
+                if "delta" not in meta:  # a delta's manifest holds its changes; what it rebuilds is verified
+                    shapes = {t["name"]: tuple(t["shape"]) for t in meta["tensors"]}
+                    self._check_model(version, meta["config"], shapes)
+                await self._run(self._update_from_broadcast_on_loop(version, source))
+                return
             if source.format == DISK:
                 directory, config, shapes = await asyncio.to_thread(verify_published, source)
                 self._check_model(version, config, shapes)
                 await self._run(self._update_from_disk_on_loop(version, directory.path))
                 return
             if source.format != SHARED_MEMORY:
-                raise SchemaError(f"weights v{version}: format {source.format!r} is not {DISK} or {SHARED_MEMORY}")
+                raise SchemaError(
+                    f"weights v{version}: format {source.format!r} is not {DISK}, {SHARED_MEMORY} or {COLLECTIVE}"
+                )
             config, source = await asyncio.to_thread(read_published, source)
             self._check_model(version, config, {name: tuple(t.shape) for name, t in source.items()})
         else:  # checked here for the same reason as in _check_model
@@ -688,6 +742,65 @@ class SGLangEngine(Engine):
                         raise SGLangError(f"weights v{version} (bucket {i}; weights may be partly loaded): {message}")
             finally:
                 ended, end_message = await self._tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None)
+            if not ended:
+                raise SGLangError(f"weights v{version}: end_weight_update: {end_message}")
+            self._version = version
+
+    async def _update_from_broadcast_on_loop(self, version: int, published: Published) -> None:
+        """Join the weight-sync group the first time (where the announcement says), then receive the
+        version in SGLang's schedulers, where the plugin verifies it before SGLang loads it: a version
+        that fails its checks (CorruptWeights) leaves the engine on its current weights."""
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            EndWeightUpdateReqInput,
+            InitWeightsUpdateGroupReqInput,
+            UpdateWeightsFromDistributedReqInput,
+        )
+
+        if self._weight_sync_rank is None:
+            raise SchemaError(
+                f"weights v{version} are broadcast on the weight-sync group, and this engine is not in it "
+                "(weight_sync_rank)"
+            )
+        async with self._held_for_update():
+            if self._weight_sync_group is None:
+                place = json.loads(published.location).get("rendezvous")
+                if place is None:
+                    raise SchemaError(
+                        f"weights v{version}: the announcement does not say where the weight-sync group meets "
+                        "(its publisher must host the group for engines that join it themselves)"
+                    )
+                request = InitWeightsUpdateGroupReqInput(
+                    master_address=place["address"],
+                    master_port=place["port"],
+                    rank_offset=self._weight_sync_rank,
+                    world_size=place["size"],
+                    group_name=place["group"],
+                    backend="gloo",
+                )
+                joined, message = await self._tokenizer_manager.init_weights_update_group(request, None)
+                if not joined:
+                    raise WeightSyncError(f"weights v{version}: SGLang could not join the weight-sync group: {message}")
+                self._weight_sync_group = place["group"]
+            success, message = await self._tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None)
+            if not success:
+                raise SGLangError(f"weights v{version}: begin_weight_update: {message}")
+            try:
+                request = UpdateWeightsFromDistributedReqInput(
+                    names=[],
+                    dtypes=[],
+                    shapes=[],
+                    group_name=self._weight_sync_group,
+                    load_format=load_format(published),
+                    weight_version=str(version),
+                )
+                success, message = await self._tokenizer_manager.update_weights_from_distributed(request, None)
+            finally:
+                ended, end_message = await self._tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None)
+            if not success and NOT_VERIFIED in message:
+                raise CorruptWeights(message.split(NOT_VERIFIED, 1)[1])
+            if not success:
+                raise WeightSyncError(f"weights v{version}: SGLang's receive failed: {message}")
             if not ended:
                 raise SGLangError(f"weights v{version}: end_weight_update: {end_message}")
             self._version = version

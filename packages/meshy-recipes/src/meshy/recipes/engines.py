@@ -5,6 +5,7 @@ from meshy.dataplane.model_source import ModelSource
 from meshy.infer.engine import Engine
 from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.context import RoleContext
+from meshy.recipes.weight_sync import weight_sync_rank
 
 
 def build_engine(
@@ -45,6 +46,7 @@ def _engine(ctx: RoleContext, source: ModelSource, colocate: bool, version: int 
             dtype=dtype,
             colocate=colocate,
             version=version,
+            weight_sync_rank=weight_sync_rank(ctx.recipe, ctx.slot),
             **placement,
             **routing,
         )

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             rank=slot.index,
             world_size=slot.count,
         )
-    weight_sync = join_weight_sync(recipe, slot, store)
+    weight_sync = join_weight_sync(recipe, slot, list(slots.values()), store, address)
     ctx = RoleContext(recipe, slot, directory, client, weight_sync=weight_sync)
     servers = server.pids if server is not None else None
     published = endpoints.to_json() if slot.rank == 0 else None  # where the data plane listens, for audits

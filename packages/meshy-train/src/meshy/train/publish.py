@@ -312,6 +312,8 @@ class CollectivePublisher:
         meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
         if delta is not None:
             meta["delta"] = delta
+        if self.group.rendezvous is not None:  # engines that join the group themselves learn where here
+            meta["rendezvous"] = self.group.rendezvous
         seconds = time.perf_counter() - start  # gathered and packed
         published = Published(version, COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), seconds)
         if self.client is not None:

@@ -36,7 +36,9 @@ class InferenceRole:
                 for message in messages:
                     published = Published.from_message(message.payload)
                     collective = published.format == COLLECTIVE
-                    source = self.ctx.weight_sync.receive(published) if collective else published
+                    # (with SGLang, the engine joins and receives it itself, once built from the announcement)
+                    received = collective and self.ctx.weight_sync is not None
+                    source = self.ctx.weight_sync.receive(published) if received else published
                 if messages:
                     return published.version, source
             return None
