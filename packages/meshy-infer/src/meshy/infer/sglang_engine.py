@@ -91,7 +91,7 @@ from meshy.infer.engine import (
     WeightsSource,
 )
 from meshy.infer.routing_log import EXPERT_ID_DTYPE
-from meshy.infer.sglang_plugin import NOT_VERIFIED, load_format
+from meshy.infer.sglang_plugin import NOT_VERIFIED, check_loaded, receive_request
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,8 @@ class SGLangEngine(Engine):
             raise SchemaError(
                 f"SGLangEngine weight_sync_rank: expected >= 1 (0 is the publisher), got {weight_sync_rank}"
             )
+        if weight_sync_rank is not None:
+            check_loaded()
         self._weight_sync_rank = weight_sync_rank
         self._weight_sync_group: str | None = None  # SGLang's name of the group, once joined
         in_memory = None  # (config, tensors) to load once SGLang runs
@@ -787,12 +789,7 @@ class SGLangEngine(Engine):
                 raise SGLangError(f"weights v{version}: begin_weight_update: {message}")
             try:
                 request = UpdateWeightsFromDistributedReqInput(
-                    names=[],
-                    dtypes=[],
-                    shapes=[],
-                    group_name=self._weight_sync_group,
-                    load_format=load_format(published),
-                    weight_version=str(version),
+                    **receive_request(published), group_name=self._weight_sync_group, weight_version=str(version)
                 )
                 success, message = await self._tokenizer_manager.update_weights_from_distributed(request, None)
             finally:

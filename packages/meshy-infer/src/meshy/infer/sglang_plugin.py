@@ -3,21 +3,25 @@ scheduler receives a version that Meshy broadcasts on SGLang's own weights updat
 its checksum, before SGLang loads any of it. (SGLang's own receive hands each bucket to the model as it
 arrives, so a torn or corrupt version would be half loaded with nothing to go back to.)
 
-A request to update weights from distributed whose load_format is `load_format(published)` carries the
-version's announcement; every other request is SGLang's own, untouched. The tensors are received into
+A request to update weights from distributed made of `receive_request(published)` carries the version's
+announcement; every other request is SGLang's own, untouched. The tensors are received into
 host buffers that the scheduler keeps from version to version (they hold the base a delta applies to).
 """
 
 import json
+import os
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import Any
 
+from meshy.dataplane import SchemaError
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import CorruptWeights, Published
 
 RECEIVE = (
     "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.receive_weights_from_distributed"
 )
+ENTRY_POINT_GROUP, NAME = "sglang.srt.plugins", "meshy"  # as packages/meshy-infer/pyproject.toml names it
 _PREFIX = "meshy-broadcast:"
 NOT_VERIFIED = "meshy: not loaded: "  # starts the message of a version that failed its checks
 # This process's membership of each group it received on, by the group's id (the group kept with it).
@@ -30,9 +34,27 @@ def register() -> None:
     HookRegistry.register(RECEIVE, receive_broadcast, HookType.AROUND)
 
 
-def load_format(published: Published) -> str:
-    """The load_format that asks a scheduler to receive `published` (announced with this plugin in mind)."""
-    return _PREFIX + json.dumps(published.to_message())
+def receive_request(published: Published) -> dict[str, Any]:
+    """The fields of an update-weights-from-distributed request that asks a scheduler to receive
+    `published`. Without this plugin SGLang fails it, naming the plugin, instead of loading nothing."""
+    return {
+        "names": ["meshy"],
+        "dtypes": ["missing_meshy_sglang_plugin"],  # SGLang's own receive: torch has no such dtype
+        "shapes": [[0]],
+        "load_format": _PREFIX + json.dumps(published.to_message()),
+    }
+
+
+def check_loaded() -> None:
+    """SchemaError unless SGLang's processes started from this environment will load this plugin."""
+    names = {entry.name for entry in entry_points(group=ENTRY_POINT_GROUP)}
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if NAME not in names or (allowed and NAME not in {n.strip() for n in allowed.split(",")}):
+        raise SchemaError(
+            f"SGLangEngine weight_sync_rank: receiving broadcast versions needs Meshy's SGLang plugin, entry "
+            f"point {NAME!r} of {ENTRY_POINT_GROUP!r}: install meshy-infer (uv sync), and if SGLANG_PLUGINS "
+            f"is set ({allowed!r}), name {NAME!r} in it"
+        )
 
 
 def receive_broadcast(original: Callable, updater: Any, **request: Any) -> list:

@@ -323,12 +323,12 @@ class Recipe:
     this long prints what every task waits for and stops (meshy.recipes.watchdog). publish: how
     weights reach inference: "disk" (HF directories), "shared-memory" (buckets on this host) or
     "collective" (buckets broadcast from training rank 0 to every inference process on a process group
-    of their own, which SGLang engines' schedulers join themselves: meshy.recipes.weight_sync). delta: with "collective", send only what changed since
-    the previous version (a whole one every 10th, and the next one whenever an engine could not rebuild a
-    delta). hf_every: also keep every n-th version (0: none) as an HF directory in the run's
-    hf_versions/, whatever `publish` is (the final weights are always kept). extra_columns: columns added
-    to the rollout table for custom roles ([[extra_columns]] name, dtype, shape). topology: the nodes
-    the run spans ([topology]; one by default)."""
+    of their own, which SGLang engines' schedulers join themselves: meshy.recipes.weight_sync). delta:
+    with "collective", send only what changed since the previous version (a whole one every 10th, and the
+    next one whenever an engine could not rebuild a delta). hf_every: also keep every n-th version (0:
+    none) as an HF directory in the run's hf_versions/, whatever `publish` is (the final weights are
+    always kept). extra_columns: columns added to the rollout table for custom roles ([[extra_columns]]
+    name, dtype, shape). topology: the nodes the run spans ([topology]; one by default)."""
 
     name: str
     steps: int = 100
