@@ -2,7 +2,7 @@
 one run on this machine.
 
     uv run python bench/weight_sync.py [--models qwen3-0.6b qwen3-1.7b] [--versions 3] [--dtype bfloat16]
-        [--transports disk shared-memory collective collective+delta] [--device cpu]
+        [--transports disk shared-memory collective collective+delta] [--device cpu] [--engine torch]
 
 The trainer (this process, one rank, random weights) publishes versions in `--dtype` as a recipe's
 `publish` would: `disk` (HF safetensors directories), `shared-memory` (buckets on this host) and
@@ -14,6 +14,11 @@ lr 1e-6 changes them (every float32 weight moves by 1e-6; not timed). Each trans
 versions; the table shows the median seconds from publish start to the engine holding the version, the
 GB moved per version (and its share of a whole version), GB/s and the speedup over disk. With `--device
 cuda` the trainer's model and the engine are on GPU 0 (the transports still go through host memory).
+
+`--engine sglang` times an SGLangEngine instead (`uv sync --extra sglang`; on a machine without CUDA
+run it with PYTHONPATH=tests/infer/sglang_stub, the SGLang tier's stand-in for SGLang's kernels): it
+loads disk versions from disk and shared-memory ones as tensor updates, and its scheduler receives
+collective ones itself, on SGLang's own update group, verified there by Meshy's SGLang plugin.
 """
 
 import argparse
@@ -56,14 +61,22 @@ class QueueStream:
         return SimpleNamespace(read=lambda max_n: [])
 
 
-def engine_process(port: int, first: str, dtype: str, device: str, announced, done) -> None:
-    group = WeightSyncGroup(dist.TCPStore("127.0.0.1", port, 2, is_master=False), 1, 2, timeout_s=600)
-    engine = TorchEngine(first, max_running=1, max_len=8, dtype=dtype, device=device)
+def engine_process(port: int | None, first: str, dtype: str, device: str, announced, done) -> None:
+    """The engine: TorchEngine in the weight-sync group on the store at `port`, or (no port) an
+    SGLangEngine whose schedulers join the group where the first collective version says."""
+    if port is None:
+        from meshy.infer.sglang_engine import SGLangEngine
+
+        group = None
+        engine = SGLangEngine(first, max_running=1, max_len=8, dtype=dtype, device=device, weight_sync_rank=1)
+    else:
+        group = WeightSyncGroup(dist.TCPStore("127.0.0.1", port, 2, is_master=False), 1, 2, timeout_s=600)
+        engine = TorchEngine(first, max_running=1, max_len=8, dtype=dtype, device=device)
     loop = asyncio.new_event_loop()
     done.put(engine.weight_version)
     while (message := announced.get()) is not None:
         published = Published.from_message(message)
-        source = group.receive(published)[1] if published.format == COLLECTIVE else published
+        source = group.receive(published)[1] if published.format == COLLECTIVE and group else published
         loop.run_until_complete(engine.update_weights(published.version, source))
         assert engine.weight_version == published.version
         if device == "cuda":
@@ -87,10 +100,16 @@ def bench_model(name: str, args: argparse.Namespace, root: Path) -> Iterator[dic
     first = DirectoryPublisher(root / "first", arch, dtype=args.dtype).publish(model, 0).location
     ctx = multiprocessing.get_context("spawn")
     announced, done = ctx.Queue(), ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
-    engine = ctx.Process(target=engine_process, args=(store.port, first, args.dtype, args.device, announced, done))
+    if args.engine == "sglang":  # its scheduler joins the group this process hosts
+        group, port = WeightSyncGroup.hosting("127.0.0.1", 2, "meshy-weights", timeout_s=600), None
+    else:
+        wait = timedelta(seconds=600)
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=wait)
+        port = store.port
+    engine = ctx.Process(target=engine_process, args=(port, first, args.dtype, args.device, announced, done))
     engine.start()
-    group = WeightSyncGroup(store, 0, 2, timeout_s=600)
+    if port is not None:
+        group = WeightSyncGroup(store, 0, 2, timeout_s=600)
     done.get(timeout=600)  # the engine is up, serving version 0
     stream = QueueStream(announced)
     publishers = {  # built one at a time, and dropped after use: a 1.7B model's buffers take GBs
@@ -142,9 +161,13 @@ def main() -> None:
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--engine", default="torch", choices=["torch", "sglang"])
     args = parser.parse_args()
     where = "CPU" if args.device == "cpu" else "GPU 0"
-    print(f"\nweight sync, {args.dtype}, median of {args.versions} versions, trainer and engine on this host ({where})")
+    print(
+        f"\nweight sync, {args.dtype}, median of {args.versions} versions, trainer and {args.engine} engine on "
+        f"this host ({where})"
+    )
     print("| model | transport | GB moved per version | share of a version | seconds | GB/s | vs disk |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for name in args.models:
