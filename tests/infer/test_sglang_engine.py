@@ -10,11 +10,10 @@ closes it gets a new one for the next.
 import asyncio
 import importlib.util
 import json
+import multiprocessing
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshy.dataplane import SchemaError
+from meshy.dataplane import SchemaError, WeightSyncError
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import CorruptWeights, Published, read_published
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH
@@ -342,33 +341,49 @@ def test_the_engine_starts_while_another_process_takes_and_gives_back_memory(sha
     assert 1 <= len(generated.output_ids) <= 4
 
 
-def test_an_engine_receives_broadcast_versions_in_sglang_and_keeps_serving_when_one_fails_its_checksum(
+TORN, UNSENT = 6, 7  # broadcast with a checksum its tensors do not have; announced by a publisher that died
+
+
+def publish_then_die(announced) -> None:
+    """A trainer hosting the weight-sync group (a process of its own): v3 whole, v4 and v5 as deltas, v6
+    torn, then it announces v7 and dies before broadcasting it."""
+    no_resync = SimpleNamespace(read=lambda max_n: [])  # no engine asks for a whole version here
+
+    def announce(_, message: dict) -> None:
+        announced.put({**message, "checksum": "0" * 32} if message["version"] == TORN else message)
+
+    hosting = WeightSyncGroup.hosting("127.0.0.1", size=2, name="meshy-weights", timeout_s=300)
+    stream = SimpleNamespace(append=announce, reader=lambda *_, **__: no_resync)
+    publisher = CollectivePublisher(hosting, ARCH, stream, dtype="float32", delta=True, full_every=100)
+    for version, seed in ((3, 0), (4, 1), (5, 0), (TORN, 1)):
+        publisher.publish(sharp_model(seed), version)
+
+    def die(*_) -> None:  # once v7 is announced (flushed to the queue), before any of it is sent
+        announced.close()
+        announced.join_thread()
+        os._exit(0)
+
+    hosting.send = die
+    publisher.publish(sharp_model(0), UNSENT)
+
+
+def test_an_engine_receives_broadcast_versions_in_sglang_and_keeps_serving_when_one_fails_or_never_comes(
     shared, published
 ):
     """What the inference role does with publish = "collective": the engine starts from the first
     version's announcement, its scheduler joins the weight-sync group where the announcement says (SGLang's
     own update group, which the publisher hosts) and receives every version there, whole or as a delta;
     each serves what a reference engine serves from the same weights on disk. A version whose checksum does
-    not match is not loaded at all: the engine goes on serving the one before."""
+    not match, or whose publisher dies before sending it, is not loaded at all: the engine goes on serving
+    the one before."""
     for engine in shared:  # one SGLang engine per process at a time: this one becomes the module's
         if not engine.closed:
             asyncio.run(engine.close())
-    announced = queue.Queue()
-    torn = {6}  # versions announced with a checksum their tensors do not have
-
-    def announce(_, message: dict) -> None:
-        if message["version"] in torn:
-            message = {**message, "checksum": "0" * 32}
-        announced.put(Published.from_message(message))
-
-    hosting = WeightSyncGroup.hosting("127.0.0.1", size=2, name="meshy-weights", timeout_s=300)
-    no_resync = SimpleNamespace(read=lambda max_n: [])  # no engine asks for a whole version here
-    stream = SimpleNamespace(append=announce, reader=lambda *_, **__: no_resync)
-    publisher = CollectivePublisher(hosting, ARCH, stream, dtype="float32", delta=True, full_every=100)
-    models = {3: sharp_model(0), 4: sharp_model(1), 5: sharp_model(0), 6: sharp_model(1)}
-    sender = threading.Thread(target=lambda: [publisher.publish(models[v], v) for v in sorted(models)])
-    sender.start()
-    first = announced.get(timeout=300)
+    context = multiprocessing.get_context("spawn")
+    announced = context.Queue()
+    trainer = context.Process(target=publish_then_die, args=(announced,))
+    trainer.start()
+    first = Published.from_message(announced.get(timeout=300))
     assert "delta" not in json.loads(first.location) and json.loads(first.location)["rendezvous"]["port"] > 0
     shared.append(start_engine(first, weight_sync_rank=1))
     engine = shared[-1]
@@ -382,17 +397,23 @@ def test_an_engine_receives_broadcast_versions_in_sglang_and_keeps_serving_when_
         assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
         await reference.close()
 
-    asyncio.run(serves(3, published[0]))  # sharp_model(0)'s weights
-    for version, same_weights in ((4, published[1]), (5, published[0])):
-        update = announced.get(timeout=300)
-        assert json.loads(update.location)["delta"]["base"] == version - 1, "a delta on the version before"
-        asyncio.run(engine.update_weights(version, update))
-        asyncio.run(serves(version, same_weights))
-    with pytest.raises(CorruptWeights, match="v6"):
-        asyncio.run(engine.update_weights(6, announced.get(timeout=300)))
-    sender.join(60)
-    assert not sender.is_alive()
-    asyncio.run(serves(5, published[0]))  # still v5: nothing of v6 was loaded
+    try:
+        asyncio.run(serves(3, published[0]))  # sharp_model(0)'s weights
+        for version, same_weights in ((4, published[1]), (5, published[0])):
+            update = Published.from_message(announced.get(timeout=300))
+            assert json.loads(update.location)["delta"]["base"] == version - 1, "a delta on the version before"
+            asyncio.run(engine.update_weights(version, update))
+            asyncio.run(serves(version, same_weights))
+        with pytest.raises(CorruptWeights, match=f"v{TORN}"):
+            asyncio.run(engine.update_weights(TORN, Published.from_message(announced.get(timeout=300))))
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=f"v{UNSENT}"):
+            asyncio.run(engine.update_weights(UNSENT, Published.from_message(announced.get(timeout=300))))
+        assert time.monotonic() - started < 60, "the publisher's death ends the receive, not a timeout"
+        asyncio.run(serves(5, published[0]))  # still v5: nothing of v6 or v7 was loaded
+    finally:
+        trainer.join(60)
+        trainer.kill()
     asyncio.run(back_to_start(engine, published[0]))
 
 
