@@ -66,6 +66,16 @@ def test_a_killed_process_stops_the_run_clearly_and_the_run_resumes_without_loss
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["training-0", "inference-0"])
+def test_killing_a_member_of_a_training_and_inference_ring_loses_nothing_after_resume(tmp_path, target):
+    """The 1-GPU recipes' shape: training and inference take turns with the devices through a token ring;
+    one of them dies whoever holds the token at the time, and the resumed run's ring starts anew."""
+    recipe = small_recipe(tmp_path, "1", top='colocate = [["training", "inference"]]\n', steps=STEPS)
+    recipe.write_text(re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 2", recipe.read_text(), flags=re.M))
+    kill_and_resume(tmp_path, recipe, target, torn_in="weights")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["environment-0", "inference-0"])
 def test_killing_a_process_of_a_multi_turn_run_mid_trajectory_loses_no_trajectory_after_resume(tmp_path, target):
     """The environment role (or the engine) dies with trajectories between turns; the resumed run trains
