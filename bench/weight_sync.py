@@ -23,7 +23,10 @@ collective ones itself, on SGLang's own update group, verified there by Meshy's 
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
+import os
+import queue
 import statistics
 import tempfile
 import time
@@ -61,9 +64,19 @@ class QueueStream:
         return SimpleNamespace(read=lambda max_n: [])
 
 
+def next_announcement(announced, parent: int) -> dict | None:
+    """The next version announced, or None once the bench is done or its process has died (so a killed
+    bench does not leave its engine, and SGLang's busy schedulers, running)."""
+    while os.getppid() == parent:
+        with contextlib.suppress(queue.Empty):
+            return announced.get(timeout=1.0)
+    return None
+
+
 def engine_process(port: int | None, first: str, dtype: str, device: str, announced, done) -> None:
     """The engine: TorchEngine in the weight-sync group on the store at `port`, or (no port) an
     SGLangEngine whose schedulers join the group where the first collective version says."""
+    parent = os.getppid()
     if port is None:
         from meshy.infer.sglang_engine import SGLangEngine
 
@@ -74,7 +87,7 @@ def engine_process(port: int | None, first: str, dtype: str, device: str, announ
         engine = TorchEngine(first, max_running=1, max_len=8, dtype=dtype, device=device)
     loop = asyncio.new_event_loop()
     done.put(engine.weight_version)
-    while (message := announced.get()) is not None:
+    while (message := next_announcement(announced, parent)) is not None:
         published = Published.from_message(message)
         source = group.receive(published)[1] if published.format == COLLECTIVE and group else published
         loop.run_until_complete(engine.update_weights(published.version, source))
