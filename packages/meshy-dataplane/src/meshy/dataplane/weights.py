@@ -200,6 +200,10 @@ class BucketLayout:
         """The layout an announcement's JSON describes."""
         return cls(meta["buckets"], meta["tensors"])
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {entry["name"]: tuple(entry["shape"]) for entry in self.manifest}
+
     def allocate(self) -> dict[str, torch.Tensor]:
         return {name: torch.empty(max(size, 1), dtype=torch.uint8, device=HOST) for name, size in self.sizes.items()}
 

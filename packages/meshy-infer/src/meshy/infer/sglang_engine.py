@@ -74,6 +74,7 @@ from meshy.dataplane.weights import (
     COLLECTIVE,
     DISK,
     SHARED_MEMORY,
+    BucketLayout,
     CorruptWeights,
     Published,
     read_published,
@@ -317,10 +318,8 @@ class SGLangEngine(Engine):
                 raise SchemaError(
                     f"SGLangEngine source: v{source.version} is a delta; an engine starts from a whole one"
                 )
-            self.config, self._shapes = meta["config"], {t["name"]: tuple(t["shape"]) for t in meta["tensors"]}
+            self.config, self._shapes = meta["config"], BucketLayout.of(meta).shapes
             broadcast = source
-            model_path = Path(tempfile.mkdtemp(prefix="meshy-sglang-start-"))
-            (model_path / "config.json").write_text(json.dumps(self.config))
             version = source.version if version is None else version
         elif isinstance(source, Published):
             if source.format != DISK:
@@ -335,14 +334,16 @@ class SGLangEngine(Engine):
             self.config, tensors = read_model(source)
             self._shapes = {name: tuple(t.shape) for name, t in tensors.items()}
             in_memory = tensors
-            model_path = Path(tempfile.mkdtemp(prefix="meshy-sglang-start-"))
-            (model_path / "config.json").write_text(json.dumps(self.config))
             version = 0 if version is None else version
         else:
             directory = HFDirectory.open(source)
             self.config, self._shapes = directory.config(), directory.shapes()
             model_path = directory.path
             version = 0 if version is None else version
+        starts_empty = in_memory is not None or broadcast is not None
+        if starts_empty:
+            model_path = Path(tempfile.mkdtemp(prefix="meshy-sglang-start-"))
+            (model_path / "config.json").write_text(json.dumps(self.config))
         self.vocab_size = int(self.config["vocab_size"])
         if record_routing and not self.config.get("num_experts"):
             raise SchemaError(
@@ -381,7 +382,6 @@ class SGLangEngine(Engine):
             args["attention_backend"] = "torch_native"
             if max_running is not None:  # else SGLang sizes the cache from free host memory: most of it
                 args["max_total_tokens"] = max_running * (max_len + _CONTEXT_SLACK)
-        starts_empty = in_memory is not None or broadcast is not None
         if starts_empty:  # SGLang starts from config.json alone, its weights filled below
             args["load_format"] = "dummy"
         try:
@@ -476,8 +476,7 @@ class SGLangEngine(Engine):
             if source.format == COLLECTIVE:
                 meta = json.loads(source.location)
                 if "delta" not in meta:  # a delta's manifest holds its changes; what it rebuilds is verified
-                    shapes = {t["name"]: tuple(t["shape"]) for t in meta["tensors"]}
-                    self._check_model(version, meta["config"], shapes)
+                    self._check_model(version, meta["config"], BucketLayout.of(meta).shapes)
                 await self._run(self._update_from_broadcast_on_loop(version, source))
                 return
             if source.format == DISK:
