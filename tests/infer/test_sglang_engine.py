@@ -326,6 +326,39 @@ def test_on_the_cpu_the_kv_cache_holds_max_running_requests_of_max_len(published
     assert started["max_total_tokens"] == 1000, "an explicit size wins"
 
 
+def test_max_len_may_take_every_position_of_the_model_and_no_more(published, monkeypatch):
+    """SGLang caps a request a few tokens short of its context length, so the engine starts it with a few
+    more than max_len; at the model's whole context that is past what SGLang allows by default. The
+    default recipe's context_length is the tiny model's 512 positions (a real start: the SGLang fault tests)."""
+    use_stub_kernels()
+    import sglang
+
+    from meshy.infer.sglang_engine import SGLangEngine
+
+    allowed = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+    monkeypatch.delenv(allowed, raising=False)
+    started = {}
+
+    class Started(Exception):
+        pass
+
+    def engine(**kwargs):
+        started.update(kwargs, allowed=os.environ.get(allowed))
+        raise Started
+
+    monkeypatch.setattr(sglang, "Engine", engine)
+    positions = ARCH.max_position_embeddings
+    with pytest.raises(Started):
+        SGLangEngine(published[0], device="cpu", max_running=8, max_len=positions)
+    assert started["context_length"] > positions and started["allowed"] == "1"
+    assert allowed not in os.environ, "allowed while SGLang starts (its processes inherit it), then put back"
+    with pytest.raises(Started):
+        SGLangEngine(published[0], device="cpu", max_running=8, max_len=positions - 64)
+    assert started["context_length"] <= positions and started["allowed"] is None
+    with pytest.raises(SchemaError, match=f"max_len: expected at most the model's context length \\({positions}"):
+        SGLangEngine(published[0], device="cpu", max_running=8, max_len=positions + 1)
+
+
 def test_the_engine_starts_while_another_process_takes_and_gives_back_memory(shared, published):
     for engine in shared:  # one SGLang engine per process at a time: this one becomes the module's
         if not engine.closed:

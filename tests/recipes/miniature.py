@@ -3,13 +3,15 @@ checkpointing, FSDP and expert parallelism, colocation rings, publishing, roles)
 run in half a minute. Changed: the model (the tiny one of its family, from scratch), the task (the
 default's arithmetic problems, rewarded by parity_reward, so that dynamic sampling keeps groups and the
 trainer steps; for a multi-turn recipe, the agent tests' echo task), sizes (steps, groups, tokens, at most
-two processes a role), devices (CPU), engines (TorchEngine, or SGLang on its CPU path) and nodes (one)."""
+two processes a role), devices (CPU), engines (TorchEngine, or SGLang on its CPU path) and nodes (one).
+A recipe whose context takes every position of its model keeps that: its miniature's takes the tiny model's."""
 
 import json
 import tomllib
 from pathlib import Path
 
 from meshy.recipes.recipe import DEFAULT_RECIPE
+from meshy.train.models import get_model
 from tests.recipes.agent_task import SmallTokenizer
 
 STEPS, GROUPS, GROUP = 3, 4, 4  # GROUPS and GROUP as tests.recipes.test_pipeline's, whose checks apply
@@ -35,12 +37,15 @@ def miniature(shipped: Path, run_dir: Path, teacher: Path | None = None, engine:
     if data.get("hf_every"):
         data["hf_every"] = 1  # the last kept version is the final one
     model = data["model"]
+    whole_context = data["sampling"].get("context_length") == get_model(model["name"]).max_position_embeddings
     model.update(name=tiny_model(model["name"]), init="scratch", overrides=default["model"]["overrides"])
     if "teacher" in model:
         assert teacher is not None, f"{shipped.name} has a teacher: pass its tiny weights"
         model["teacher"] = str(teacher)
     data["task"] = {**default["task"], "reward": "tests.recipes.parity_reward:parity_reward"}
     tokens = {"max_new_tokens": 3, "context_length": 16}
+    if whole_context:  # as JustRL II's 40960 of Qwen3-1.7B's positions: SGLang starts past it, when told to
+        tokens["context_length"] = get_model(model["name"]).max_position_embeddings
     if "agent" in data:  # multi-turn: the echo task of the agent tests stands in for a tool task
         data["task"] = {f: f"tests.recipes.agent_task:{f}" for f in ("tokenizer", "problems", "environment")}
         data["agent"] = {"max_turns": 3, "max_tokens": 160, "enable_thinking": False}

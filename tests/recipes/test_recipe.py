@@ -159,6 +159,10 @@ def test_the_embedded_default_loads_and_resolves():
             lambda t: multi_turn(t) + "\n[agent]\nmax_tokens = 4096\n",
             "agent.max_tokens: a trajectory's 4096 tokens after the prompt must fit sampling.context_length (512)",
         ),
+        (
+            lambda t: t.replace("max_in_flight = 256", "max_in_flight = 256\ncontext_length = 513"),
+            "sampling.context_length: expected at most model 'qwen3-tiny''s max_position_embeddings (512)",
+        ),
         (lambda t: t.replace('name = "arithmetic-tiny"', ""), "recipe: missing field 'name'"),
         (lambda t: t + '\n[[roles.custom]]\ncls = "x:Y"\n', "recipe.roles.custom[0]: missing field 'name'"),
         (lambda t: t + '\n[roles.custom]\nname = "judge"\n', "RolesSpec.custom: expected tuple[CustomRoleSpec, ...]"),

@@ -60,9 +60,10 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -150,6 +151,29 @@ def serialized_bucket(tensors: Mapping[str, torch.Tensor], names: list[str]) -> 
     bucket = FlattenedTensorBucket(named_tensors=[(name, tensors[name].detach()) for name in names])
     flat = bucket.get_flattened_tensor()
     return MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": bucket.get_metadata()}), flat
+
+
+def _context_length(config: dict) -> int:
+    """The model's context length as SGLang derives it from config.json (the most it lets a request use
+    without SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN)."""
+    from sglang.srt.utils.hf_transformers.common import get_context_length
+
+    return get_context_length(SimpleNamespace(**config))
+
+
+@contextlib.contextmanager
+def _environment(**variables: str) -> Iterator[None]:
+    """`variables` set in os.environ (so in the processes SGLang starts meanwhile), then restored."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _import_sglang(device: str) -> Any:
@@ -362,6 +386,12 @@ class SGLangEngine(Engine):
         self._seed_warned = False
 
         sglang = _import_sglang(device)
+        model_context = _context_length(self.config)
+        if max_len > model_context:
+            raise SchemaError(
+                f"SGLangEngine max_len: expected at most the model's context length ({model_context}, from its "
+                f"config.json), got {max_len}"
+            )
         args = {
             "model_path": str(model_path),
             "device": device,
@@ -385,7 +415,11 @@ class SGLangEngine(Engine):
         if starts_empty:  # SGLang starts from config.json alone, its weights filled below
             args["load_format"] = "dummy"
         try:
-            self._sglang = sglang.Engine(**{**args, **server_args})
+            # The slack goes past the model's own context when max_len reaches it; SGLang then refuses to
+            # start unless told to, and no position past max_len is ever used.
+            beyond = max_len + _CONTEXT_SLACK > model_context
+            with _environment(SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1") if beyond else contextlib.nullcontext():
+                self._sglang = sglang.Engine(**{**args, **server_args})
         finally:
             if starts_empty:
                 shutil.rmtree(model_path, ignore_errors=True)

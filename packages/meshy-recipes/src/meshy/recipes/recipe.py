@@ -374,6 +374,7 @@ class Recipe:
             raise SchemaError(f'delta: sending only what changed needs publish = "collective", got "{self.publish}"')
         if self.algorithm.routing_replay:
             self._check_routing_replay()
+        self._check_context_length()
         check_dataflow(self)
         if self.algorithm.overlong_buffer > self.sampling.max_new_tokens:
             raise SchemaError(
@@ -522,6 +523,15 @@ class Recipe:
                     f"{name}: multi-turn runs (task.environment) train on whole trajectories with GRPO or PPO; "
                     'expected algorithm.kind = "grpo" or "ppo", no routing_replay and overlong_buffer = 0'
                 )
+
+    def _check_context_length(self) -> None:
+        positions = self.model.arch().max_position_embeddings
+        if self.sampling.context_length > positions:
+            raise SchemaError(
+                f"sampling.context_length: expected at most model {self.model.name!r}'s max_position_embeddings "
+                f"({positions}), the positions a prompt and its response share, got {self.sampling.context_length} "
+                "(model.overrides can raise max_position_embeddings)"
+            )
 
     def _check_routing_replay(self) -> None:
         arch = self.model.arch()
