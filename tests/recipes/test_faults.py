@@ -6,6 +6,7 @@ once, no row trained twice and every row of every batch trained or counted as dr
 """
 
 import contextlib
+import importlib.util
 import os
 import re
 import signal
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.infer.test_sglang_engine import use_stub_kernels
 from tests.recipes.test_agent_run import agent_recipe
-from tests.recipes.test_pipeline import REPO, check_run, kill_tree, records, small_recipe, start_time
+from tests.recipes.test_pipeline import REPO, check_run, kill_tree, records, repo_env, small_recipe, start_time
 
 STEPS = 10
 COMMAND = [sys.executable, "-m", "meshy.recipes.cli", "run"]
@@ -75,6 +77,28 @@ def test_killing_a_member_of_a_training_and_inference_ring_loses_nothing_after_r
     kill_and_resume(tmp_path, recipe, target, torn_in="weights")
 
 
+@pytest.mark.sglang
+@pytest.mark.parametrize("target", ["inference-0", "training-0"])
+def test_killing_an_sglang_engine_or_the_publisher_of_its_broadcast_versions_stops_the_run_and_it_resumes_without_loss(
+    tmp_path, target
+):
+    """Versions broadcast on SGLang's own weights update group (the 2-node recipe's path), with the default
+    recipe's context_length, the whole of the tiny model's positions: an inference process killed takes
+    its SGLang scheduler with it, so the trainer's next broadcast fails instead of waiting for a member
+    that is gone; a publisher killed fails the scheduler's receive. Either way the run stops naming the
+    resume command, and the resumed run (its engine joining a new group) loses nothing."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed (uv sync --extra sglang)")
+    use_stub_kernels()
+    top = 'publish = "collective"\nhf_every = 1\n'
+    recipe = small_recipe(tmp_path, "1", top=top, steps=STEPS)
+    text = re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 2", recipe.read_text(), flags=re.M)
+    recipe.write_text(text.replace("[sampling]\n", '[sampling]\nengine = "sglang"\n'))
+    run_dir, _ = kill_and_resume(tmp_path, recipe, target, torn_in="hf_versions")
+    built = [r["engine"] for r in records(run_dir, "inference-0") if r["kind"] == "engine"]
+    assert built == ["SGLangEngine"] * 2, built  # the first run's and the resumed one's
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["environment-0", "inference-0"])
 def test_killing_a_process_of_a_multi_turn_run_mid_trajectory_loses_no_trajectory_after_resume(tmp_path, target):
@@ -94,7 +118,7 @@ def kill_and_resume(
     """Run `recipe`, SIGKILL `target` after version 3, check the run stops naming the resume command,
     resume it (with a torn version directory planted in `torn_in`, as a kill mid-write leaves), and
     check the ledger of the resumed run; the run directory and the version it resumed at."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     first = subprocess.Popen(
         [*COMMAND, str(recipe)],
         env=env,

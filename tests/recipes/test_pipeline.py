@@ -44,6 +44,12 @@ def small_recipe(tmp_path: Path, pacing: str, top: str = "", tail: str = "", ste
     return path
 
 
+def repo_env() -> dict[str, str]:
+    """This environment, with the repository first on PYTHONPATH (the tests' own modules import in a run's
+    processes; what was on it stays, such as the SGLang tier's kernel stand-in)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+
+
 def meshy_run(recipe: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """`meshy run RECIPE` in a child process that can import the tests' own modules (custom roles)."""
     return subprocess.run(
@@ -51,7 +57,7 @@ def meshy_run(recipe: Path, timeout: float = 300) -> subprocess.CompletedProcess
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
+        env=repo_env(),
     )
 
 
