@@ -246,6 +246,10 @@ def test_weights_that_do_not_fit_name_the_tensor(weights):
     with pytest.raises(SchemaError, match="max_len"):
         TorchEngine((config, tensors), max_len=1)
 
+    too_many = r"max_running x max_len: a KV cache of 65536 requests of 65536 tokens takes [0-9.]+ GiB"
+    with pytest.raises(SchemaError, match=too_many + ".*sampling.max_in_flight, sampling.context_length"):
+        TorchEngine((config, tensors), max_running=1 << 16, max_len=1 << 16)  # past any host's memory
+
     @async_case
     async def update_with_a_misshapen_tensor():
         engine = TorchEngine((config, tensors), version=1)

@@ -16,7 +16,7 @@ _EXPORTS = {
     "meshy.dataplane.bursts": ["Bursts"],
     "meshy.dataplane.client": ["Batch", "DataPlaneClient", "StreamMessage", "StreamReader"],
     "meshy.dataplane.config": ["DataPlaneConfig"],
-    "meshy.dataplane.devices": ["HOST", "free_cached"],
+    "meshy.dataplane.devices": ["HOST", "free_bytes", "free_cached"],
     "meshy.dataplane.endpoints": ["Endpoints"],
     "meshy.dataplane.errors": [
         "AccessDenied",

@@ -6,6 +6,8 @@ moving tensors off a GPU returns their blocks to torch's caching allocator, whic
 for this process until they are emptied, so the next holder could not use them.
 """
 
+from pathlib import Path
+
 import torch
 
 HOST = torch.device("cpu")
@@ -19,3 +21,22 @@ def free_cached(device: torch.device) -> None:
     torch.cuda.synchronize(device)
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes this process could still allocate on `device`: what the driver has free plus what torch's
+    caching allocator holds unused (CUDA), or the kernel's estimate of available memory (the host, on
+    Linux); None where neither is known."""
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
+    if device.type != "cpu":
+        return None
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # reported in KiB
+    return None

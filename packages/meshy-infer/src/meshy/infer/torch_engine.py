@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from meshy.dataplane import HOST, SchemaError, free_cached
+from meshy.dataplane import HOST, SchemaError, free_bytes, free_cached
 from meshy.dataplane.model_source import ModelSource, read_model
 from meshy.dataplane.weights import DTYPES, Published, read_published
 from meshy.infer import sampling
@@ -142,6 +142,28 @@ def _settings(request: _Request) -> tuple[float, int, float]:
 def _truncates(requests: list[_Request], vocab: int) -> bool:
     """Whether some request draws from a truncated distribution (top_k or top_p on)."""
     return any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in requests)
+
+
+def _check_fits(
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    max_running: int,
+    max_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """SchemaError, before anything is allocated, if the weights and a KV cache of max_running requests of
+    max_len tokens cannot fit what `device` has free (the cache is allocated whole, at start)."""
+    free = free_bytes(device)
+    cache = KVCache.nbytes(config, max_running, max_len, dtype)
+    weights = sum(t.numel() for t in tensors.values()) * dtype.itemsize
+    if free is not None and cache + weights > free:
+        gib = 1 << 30
+        raise SchemaError(
+            f"TorchEngine max_running x max_len: a KV cache of {max_running} requests of {max_len} tokens takes "
+            f"{cache / gib:.1f} GiB, the weights {weights / gib:.1f} GiB, and {device} has {free / gib:.1f} GiB "
+            "free; expected fewer requests or tokens (a recipe's sampling.max_in_flight, sampling.context_length)"
+        )
 
 
 class _Scheduler:
@@ -484,6 +506,7 @@ class TorchEngine(Engine):
         if version is None:
             version = source.version if isinstance(source, Published) else 0
         device = torch.device(device)
+        _check_fits(self.config, tensors, max_running, max_len, device, DTYPES[dtype])
         model = load_model(self.config, tensors, device, DTYPES[dtype])
         self._scheduler = _Scheduler(model, self.config, max_running, max_len, device, DTYPES[dtype], version, compile)
         self._inbox: queue.SimpleQueue[_Request | _Call] = queue.SimpleQueue()

@@ -10,6 +10,7 @@ and gate and up another (their weights stacked by rows, each HF tensor a view of
 two multiplies and a roll. `hf_parameters` names every parameter, or rows of one, by its HF tensor name.
 """
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -113,9 +114,19 @@ class KVCache:
     positions past a slot's length are masked out, but a masked weight of 0 times NaN would still be NaN."""
 
     def __init__(self, config: ModelConfig, slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
-        shape = (slots, config.num_key_value_heads, max_len, config.head_dim)
+        shape = self.shape(config, slots, max_len)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+
+    @staticmethod
+    def shape(config: ModelConfig, slots: int, max_len: int) -> tuple[int, int, int, int]:
+        """One layer's keys (or values)."""
+        return (slots, config.num_key_value_heads, max_len, config.head_dim)
+
+    @classmethod
+    def nbytes(cls, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype) -> int:
+        """What the cache of `slots` requests of `max_len` tokens takes, keys and values of every layer."""
+        return 2 * config.num_hidden_layers * math.prod(cls.shape(config, slots, max_len)) * dtype.itemsize
 
 
 class _Causal:
