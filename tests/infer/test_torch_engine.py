@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshy.dataplane import SchemaError
+from meshy.dataplane import SchemaError, free_bytes
 from meshy.dataplane.model_source import read_model
 from meshy.dataplane.weights import CorruptWeights, read_published
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
@@ -336,6 +336,19 @@ class TestCudaTorchEngineConformance(EngineConformance):
         engine = TorchEngine((config, first), max_running=4, max_len=MAX_LEN, version=1, device="cuda")
         yield engine
         asyncio.run(engine.close())
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_kv_cache_past_the_gpu_s_free_memory_is_refused_before_anything_is_allocated(weights):
+    config, tensors, _ = weights
+    device = torch.device("cuda")
+    free, total = free_bytes(device), torch.cuda.mem_get_info(device)[1]
+    assert 0 < free <= total
+    allocated = torch.cuda.memory_allocated(device)
+    with pytest.raises(SchemaError, match="KV cache of 65536 requests of 65536 tokens"):
+        TorchEngine((config, tensors), max_running=1 << 16, max_len=1 << 16, device="cuda")
+    assert torch.cuda.memory_allocated(device) == allocated
 
 
 @pytest.mark.gpu
