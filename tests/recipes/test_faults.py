@@ -139,6 +139,8 @@ def kill_and_resume(
     assert first.returncode != 0, f"killing {target} must not look like success"
     assert "meshy: continue from its newest checkpoint, step-" in stderr, stderr[-3000:]
     assert f"with: meshy run --resume {run_dir}" in stderr
+    if target != "dataplane":
+        assert f"({target} on node 0) failed first: killed by SIGKILL" in stderr, stderr[-3000:]
     assert stopped_after < STOP_WITHIN_S
     restored = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
     torn = run_dir / torn_in / f".v{restored + 1:06d}.tmp1"
