@@ -2,8 +2,9 @@
 touches a GPU: each inference and teacher process builds its engine as a run would (meshy.recipes.engines),
 from a directory of the real model's config.json and tensor headers (the files are sparse: no weights), and
 SGLang's own checks (ServerArgs, resolved and checked as sglang.Engine does, and its ModelConfig) take what
-SGLangEngine passes to sglang.Engine, with the environment it sets meanwhile. A miniature swaps in a tiny model, so only this sees the real model beside the recipe's
-sizes: JustRL II's context_length, all of Qwen3-1.7B's 40960 positions, failed here, as on a GPU."""
+SGLangEngine passes to sglang.Engine, with the environment it sets meanwhile. A miniature swaps in a tiny
+model, so only this sees the real model beside the recipe's sizes: JustRL II's context_length, all of
+Qwen3-1.7B's 40960 positions, failed here, as on a GPU."""
 
 import json
 import struct
@@ -63,13 +64,16 @@ def test_a_shipped_gpu_recipe_s_sglang_engines_pass_sglang_s_own_checks_at_their
     for slot in engines:
         arch = teacher_arch(recipe) if slot.role == "teacher" else recipe.model.arch()
         ctx = RoleContext(recipe, slot, tmp_path / "run", client=None)
-        with pytest.raises(Started):
-            build_engine(ctx, sparse_model(arch, recipe.model.dtype, tmp_path / f"{slot.role}-{slot.index}"))
+        source = sparse_model(arch, recipe.model.dtype, tmp_path / f"{slot.role}-{slot.index}")
+        replay = slot.role == "inference" and recipe.algorithm.routing_replay
+        with pytest.raises(Started):  # as the inference and teacher roles build theirs
+            build_engine(ctx, source, colocate=slot.ring is not None, record_routing=replay)
     assert len(started) == len(engines) > 0
     for (server_args, model_config), slot in zip(started, engines, strict=True):
         assert server_args.context_length >= recipe.sampling.context_length, slot
         assert model_config.context_len >= recipe.sampling.context_length, slot
         assert server_args.tp_size == len(slot.devices) and server_args.device == "cuda", slot
+        assert server_args.enable_memory_saver == (slot.ring is not None), slot
 
 
 def teacher_arch(recipe: Recipe) -> DecoderArch:
