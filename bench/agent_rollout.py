@@ -117,18 +117,19 @@ def modes(args: argparse.Namespace) -> list[Mode]:
 def bench_recipe(args: argparse.Namespace, latency: float) -> Recipe:
     """The recipe both paths play; the data plane's environment role is built from it. The model ends its
     turns at the byte tokenizer's <|im_end|>, as the environment role requires."""
+    context = args.max_tokens + 256  # the prompt and a trajectory's tokens: past the tiny model's 512 positions
     return Recipe(
         name="agent-rollout-bench",
-        model=ModelSpec(args.model, overrides={"eos_token_id": TOKENIZER.eos_token_id}),
+        model=ModelSpec(
+            args.model, overrides={"eos_token_id": TOKENIZER.eos_token_id, "max_position_embeddings": context}
+        ),
         task=TaskSpec(
             tokenizer="meshy.recipes.tasks.byte_tokenizer:ByteTokenizer",
             environment=f"{__name__}:{fixed_latency_tool.__name__}",
             environment_options={"latency": latency},
         ),
         agent=AgentSpec(max_turns=args.turns, max_tokens=args.max_tokens, deadline_s=600.0),
-        sampling=SamplingSpec(
-            max_new_tokens=args.max_tokens, context_length=args.max_tokens + 256, max_in_flight=args.trajectories
-        ),
+        sampling=SamplingSpec(max_new_tokens=args.max_tokens, context_length=context, max_in_flight=args.trajectories),
         roles=RolesSpec(environment=RoleSpec()),
     )
 
