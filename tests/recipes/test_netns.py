@@ -98,6 +98,11 @@ def test_two_nodes_in_their_own_namespaces_listen_on_their_addresses_and_talk_on
     capture = in_namespace(
         names[1], sys.executable, "-m", "tests.recipes.packet_capture", links[1], str(captured), str(stop)
     )
+    # The outsider imports before the run starts and tries the moment the run is going (on a loaded host
+    # its imports outlasted the run: it then found no server at all, not a refusal).
+    outsider = in_namespace(
+        names[1], sys.executable, "-c", OUTSIDER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     nodes: list[subprocess.Popen] = []
     try:
         deadline = time.monotonic() + 60
@@ -112,18 +117,13 @@ def test_two_nodes_in_their_own_namespaces_listen_on_their_addresses_and_talk_on
         sockets = [listening(name) for name in names]
         (start,) = [r for r in records(run_dir, "training-0") if r["kind"] == "start"]
         endpoints = Endpoints.from_json(start["endpoints"])
-        outsider = subprocess.run(
-            ["ip", "netns", "exec", names[1], sys.executable, "-c", OUTSIDER, endpoints.to_json()],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
+        refused = outsider.communicate((endpoints.to_json() + "\n").encode(), timeout=120)
+        assert [node.poll() for node in nodes] == [None, None], "the outsider tried while the run went on"
         outputs = [node.communicate(timeout=600) for node in nodes]
         assert [node.returncode for node in nodes] == [0, 0], outputs
     finally:
         stop.touch()
-        for process in (*nodes, capture):
+        for process in (*nodes, capture, outsider):
             try:
                 process.wait(30)
             except subprocess.TimeoutExpired:
@@ -145,7 +145,7 @@ def test_two_nodes_in_their_own_namespaces_listen_on_their_addresses_and_talk_on
         assert mine and mine <= set(found), f"node {node}'s data-plane servers listen on its address: {found}"
         assert {s for s in found if s[0] not in ("0.0.0.0", "::")} == mine, "nothing else binds an address"
 
-    assert outsider.returncode == 0 and outsider.stdout.strip() == "AccessDenied", outsider.stdout + outsider.stderr
+    assert outsider.returncode == 0 and refused[0].decode().strip() == "AccessDenied", refused
 
     data_ports = {port for _, port in dataplane}
     streams = {p: p.read_bytes() for p in captured.glob("*.bin")}
@@ -166,8 +166,9 @@ def test_two_nodes_in_their_own_namespaces_listen_on_their_addresses_and_talk_on
 OUTSIDER = """
 import os, sys
 from meshy.dataplane import AccessDenied, DataPlaneClient, DataPlaneConfig, Endpoints
+endpoints = Endpoints.from_json(sys.stdin.readline())
 try:
-    DataPlaneClient(Endpoints.from_json(sys.argv[1]), os.urandom(32), DataPlaneConfig(rpc_timeout_s=10.0))
+    DataPlaneClient(endpoints, os.urandom(32), DataPlaneConfig(rpc_timeout_s=10.0))
 except AccessDenied:
     print("AccessDenied")
 else:
