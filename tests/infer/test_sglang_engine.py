@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,6 +72,23 @@ def sharp_model(seed: int) -> torch.nn.Module:
             if parameter.ndim == 2:
                 parameter.mul_(8)
     return model
+
+
+class Started(Exception):
+    """What the stand-in for sglang.Engine (replace_sglang_engine) raises once it has its arguments."""
+
+
+def replace_sglang_engine(monkeypatch, on_start: Callable[..., None]) -> None:
+    """sglang.Engine replaced by a stand-in that calls on_start(**arguments) and raises Started: it runs
+    where sglang.Engine would, inside SGLangEngine's environment for the start."""
+    use_stub_kernels()
+    import sglang
+
+    def engine(**kwargs):
+        on_start(**kwargs)
+        raise Started
+
+    monkeypatch.setattr(sglang, "Engine", engine)
 
 
 def use_stub_kernels() -> None:
@@ -303,21 +321,10 @@ def test_settings_sglang_cannot_run_are_refused_before_it_starts(published, uniq
 def test_on_the_cpu_the_kv_cache_holds_max_running_requests_of_max_len(published, monkeypatch):
     """Not most of the free host memory, which SGLang takes by default: a recipe run with one engine went
     from 4 to 16 GiB used of 23 as the engine started."""
-    use_stub_kernels()
-    import sglang
-
+    started = {}
+    replace_sglang_engine(monkeypatch, started.update)
     from meshy.infer.sglang_engine import SGLangEngine
 
-    started = {}
-
-    class Started(Exception):
-        pass
-
-    def engine(**kwargs):
-        started.update(kwargs)
-        raise Started
-
-    monkeypatch.setattr(sglang, "Engine", engine)
     with pytest.raises(Started):
         SGLangEngine(published[0], device="cpu", max_running=8, max_len=40)
     assert started["max_total_tokens"] == 8 * started["context_length"] and started["context_length"] >= 40
@@ -330,23 +337,12 @@ def test_max_len_may_take_every_position_of_the_model_and_no_more(published, mon
     """SGLang caps a request a few tokens short of its context length, so the engine starts it with a few
     more than max_len; at the model's whole context that is past what SGLang allows by default. The
     default recipe's context_length is the tiny model's 512 positions (a real start: the SGLang fault tests)."""
-    use_stub_kernels()
-    import sglang
-
-    from meshy.infer.sglang_engine import SGLangEngine
-
     allowed = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
     monkeypatch.delenv(allowed, raising=False)
     started = {}
+    replace_sglang_engine(monkeypatch, lambda **kwargs: started.update(kwargs, allowed=os.environ.get(allowed)))
+    from meshy.infer.sglang_engine import SGLangEngine
 
-    class Started(Exception):
-        pass
-
-    def engine(**kwargs):
-        started.update(kwargs, allowed=os.environ.get(allowed))
-        raise Started
-
-    monkeypatch.setattr(sglang, "Engine", engine)
     positions = ARCH.max_position_embeddings
     with pytest.raises(Started):
         SGLangEngine(published[0], device="cpu", max_running=8, max_len=positions)

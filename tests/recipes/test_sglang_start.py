@@ -20,7 +20,7 @@ from meshy.recipes.recipe import Recipe, load_recipe
 from meshy.recipes.topology import assign
 from meshy.train.models import DecoderArch, get_model
 from meshy.train.titan_models import state_dict_adapter, titan_config
-from tests.infer.test_sglang_engine import use_stub_kernels
+from tests.infer.test_sglang_engine import Started, replace_sglang_engine
 
 pytestmark = pytest.mark.sglang
 
@@ -33,31 +33,24 @@ _DTYPES = {"bfloat16": "BF16", "float32": "F32"}  # safetensors' names
 _SHARD_BYTES = 2 << 30  # a shard is mapped whole when its header is read: within a host's address space limits
 
 
-class Started(Exception):
-    """What the stand-in for sglang.Engine raises once SGLang has taken its arguments."""
-
-
 def test_every_gpu_recipe_runs_sglang():
     assert len(SGLANG_RECIPES) >= 13
 
 
 @pytest.mark.parametrize("name", sorted(SGLANG_RECIPES))
 def test_a_shipped_gpu_recipe_s_sglang_engines_pass_sglang_s_own_checks_at_their_real_size(name, tmp_path, monkeypatch):
-    use_stub_kernels()
-    import sglang
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.server_args import ServerArgs
-
     started = []
 
-    def engine(**kwargs):  # inside SGLangEngine's environment for the start, as SGLang's processes are
+    def check(**kwargs):  # inside SGLangEngine's environment for the start, as SGLang's processes are
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.server_args import ServerArgs
+
         server_args = ServerArgs(**kwargs)
         server_args.resolve_once()
         server_args.check_server_args()
         started.append((server_args, ModelConfig.from_server_args(server_args)))
-        raise Started
 
-    monkeypatch.setattr(sglang, "Engine", engine)
+    replace_sglang_engine(monkeypatch, check)
     recipe = load_recipe(SGLANG_RECIPES[name])
     slots = assign(recipe, recipe.world_size, gpus_per_node=recipe.topology.gpus_per_node or gpus_needed(recipe))
     engines = [slot for slot in slots.values() if slot.role in ("inference", "teacher")]
