@@ -14,6 +14,7 @@ import torch
 from meshy.dataplane import SchemaError
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import Published
+from meshy.train import checkpoint
 from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.logprobs import pack_rows
@@ -240,22 +241,66 @@ def test_a_step_with_no_token_to_train_leaves_every_weight_where_it_is():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_a_step_whose_every_advantage_is_zero_is_not_steered_by_the_entropy_bonus_alone():
+def test_a_step_whose_every_advantage_is_zero_is_not_steered_by_the_entropy_bonus_alone_unless_exploring():
     """Once every group gets every answer right, every advantage is 0 and the entropy bonus is all that is
     left: AdamW's full-size step along it alone flattened a learned policy to the uniform one. With a KL
-    term there is still something to learn, and the step is taken."""
+    term there is still something to learn, and the step is taken; asked to explore, the step follows the
+    entropy bonus, if there is one (without it, AdamW would move along its momentum alone)."""
     tokens = torch.randint(0, ARCH.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
-    for loss, moves in (
-        (LossConfig(tis="none", entropy_coef=0.03), False),
-        (LossConfig(tis="none", kl_coef=0.1), True),
+    for loss, explore, moves in (
+        (LossConfig(tis="none", entropy_coef=0.03), False, False),
+        (LossConfig(tis="none", kl_coef=0.1), False, True),
+        (LossConfig(tis="none", entropy_coef=0.03), True, True),
+        (LossConfig(tis="none"), True, False),
     ):
         model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
         trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), loss)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         ref = trainer.logprobs(PolicyBatch(tokens, torch.ones(2, 5), torch.zeros(2))) - 1.0
-        metrics = trainer.step(PolicyBatch(tokens, torch.ones(2, 5), torch.zeros(2), ref_logprobs=ref))
-        assert metrics["stepped"] == float(moves), loss
-        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()) == moves, loss
+        metrics = trainer.step(PolicyBatch(tokens, torch.ones(2, 5), torch.zeros(2), ref_logprobs=ref), explore)
+        assert metrics["stepped"] == float(moves), (loss, explore)
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()) == moves, (loss, explore)
+
+
+def test_a_version_that_scores_below_the_run_s_best_with_no_advantage_explores_on_the_entropy_bonus(
+    client, unique, tmp_path
+):
+    """The trap a policy fell into (seen in the calculator recipe's learning run): it stopped making the
+    call every reward needs, so every group scored 0, every advantage was 0 and no step was taken, and
+    nothing could change that for 200 versions. A version below the best of the run's earlier versions
+    steps on the entropy bonus alone; one at or above it (every group right) does not. The best survives a
+    checkpoint."""
+    task = cols.train_with(reward=True)
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(task,))).name
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(
+        table=table, task=task.name, groups_per_rank=2, batch_timeout_s=5, report_reward=True, checkpoint_every=1
+    )
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none", entropy_coef=0.03))
+    service = TrainingService(
+        client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config, checkpoint_dir=tmp_path / "ck"
+    )
+
+    def version(rewards: list[float], advantages: list[float]) -> dict:
+        rows = list(range(service.version * 4, service.version * 4 + 4))
+        group = service.version * 2
+        client.put(table, rows, {cols.PROMPT_IDS: [torch.tensor([1, 2])] * 4}, group_ids=[group] * 2 + [group + 1] * 2)
+        client.add_columns(table, rows, {
+            cols.RESPONSE_IDS: [torch.tensor([3, 4, 5])] * 4,
+            cols.ROLLOUT_LOGPROBS: [torch.full((3,), -1.0)] * 4,
+            cols.TOKEN_VERSIONS: [torch.zeros(3, dtype=torch.int64)] * 4,
+            cols.ADVANTAGE: [torch.full((3,), a) for a in advantages],
+            cols.REWARD: torch.tensor(rewards),
+        })  # fmt: skip
+        return service.train_batch(service.wait_for_batch())
+
+    learning = version([0.5, 0.0, 0.5, 0.0], [1.0, -1.0, 1.0, -1.0])
+    lost = version([0.0] * 4, [0.0] * 4)  # below the best (0.25): explores
+    solved = version([1.0] * 4, [0.0] * 4)  # the best yet: no step
+    still = version([1.0] * 4, [0.0] * 4)  # at the best: no step
+    assert [r["stepped"] for r in (learning, lost, solved, still)] == [1.0, 1.0, 0.0, 0.0]
+    assert (service.best_reward, trainer.steps) == (1.0, 2)
+    assert checkpoint.load(checkpoint.latest(tmp_path / "ck"), trainer)["best_reward"] == 1.0
 
 
 def test_a_non_finite_loss_is_skipped_and_counted():

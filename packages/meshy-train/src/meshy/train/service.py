@@ -49,7 +49,10 @@ class TrainServiceConfig:
     (None: no limit).
     checkpoint_every: versions between checkpoints (0: never). report_reward: also lease the `reward`
     column and report the mean reward of the version's rows, trained or dropped (dynamic sampling must
-    not hide the groups that got every answer right). critic_warmup_versions: the first versions
+    not hide the groups that got every answer right); a version whose mean is below the best of the run's
+    earlier versions explores: if every advantage is 0, it still steps on the entropy bonus (a policy that
+    lost what it had found, say a call it no longer makes, has no other way back; one at its best, say
+    every group right, takes no step). critic_warmup_versions: the first versions
     only the critic learns (JustRL II): their rows are acked as dropped ("critic warm-up") and the
     unchanged weights are published again, so rollout pacing goes on. routing_replay: also lease
     routed_experts and replay it in every forward (a mixture-of-experts model only). policy_mask: also
@@ -149,6 +152,7 @@ class TrainingService:
         self.metrics = metrics or MetricsLog(None)
         self.checkpoint_dir = checkpoint_dir
         self.version = version
+        self.best_reward = -math.inf  # the best mean reward of a version so far (report_reward)
         self.device = next(trainer.model.parameters()).device
         self.routing: tuple[int, int, int] | None = None  # (layers, top_k, experts) when replaying
         if config.routing_replay:
@@ -188,8 +192,14 @@ class TrainingService:
         if cfg.minibatches * cfg.epochs > 1:
             for mb in minibatches:
                 mb.old_logprobs = self.trainer.logprobs(mb)
+        # Every row the version leased, trained or dropped: the policy's reward, whatever was trained on.
+        leased = batch.columns[cols.REWARD].tolist() if cfg.report_reward and batch is not None else []
+        rewards = [r for r in leased if math.isfinite(r)]
+        reward = _sum_over_ranks({"sum": sum(rewards), "count": len(rewards)}) if cfg.report_reward else {}
+        reward_mean = reward["sum"] / reward["count"] if reward.get("count") else None
+        explore = reward_mean is not None and reward_mean < self.best_reward  # the same on every rank
         train_start = time.perf_counter()
-        steps = [self.trainer.step(mb) for _ in range(cfg.epochs) for mb in minibatches]
+        steps = [self.trainer.step(mb, explore) for _ in range(cfg.epochs) for mb in minibatches]
         train_seconds = time.perf_counter() - train_start
         if batch is not None:
             self.client.ack(batch)
@@ -197,20 +207,18 @@ class TrainingService:
         self.version += 1
         published = self.publisher.publish(self.trainer.model, self.version)
         publish_seconds = time.perf_counter() - publish_start
+        if reward_mean is not None:
+            self.best_reward = max(self.best_reward, reward_mean)
         if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0 and self.checkpoint_dir is not None:
-            checkpoint.save(self.checkpoint_dir, self.version, self.trainer, {"version": self.version})
+            cursors = {"version": self.version, "best_reward": self.best_reward}
+            checkpoint.save(self.checkpoint_dir, self.version, self.trainer, cursors)
 
-        # Every row the version leased, trained or dropped: the policy's reward, whatever was trained on.
-        leased = batch.columns[cols.REWARD].tolist() if cfg.report_reward and batch is not None else []
-        rewards = [r for r in leased if math.isfinite(r)]
         bins = _staleness_bins(staleness)
         total = _sum_over_ranks(
             {
                 "rows_trained": len(rows),
                 "rows_dropped": len(dropped),
                 "tokens": sum(float(mb.mask.sum()) for mb in minibatches),
-                "reward_sum": sum(rewards),
-                "rewards": len(rewards),
                 "replayed_tokens": sum(
                     float((mb.routed_experts[..., 0, 0] != FREE).sum())
                     for mb in minibatches
@@ -237,7 +245,7 @@ class TrainingService:
             "tokens": int(global_tokens),
             "tokens_per_s": global_tokens / max(train_seconds, 1e-9),
             "staleness_histogram": hist,
-            "reward_mean": total["reward_sum"] / total["rewards"] if total["rewards"] else None,
+            "reward_mean": reward_mean,
             "wait_s": waited,
             "train_s": train_seconds,
             "publish_s": publish_seconds,

@@ -6,7 +6,8 @@ metrics of its loss and loss parts (pg_loss, kl, distill_kl, the entropy bonus) 
 whose loss or gradient norm is not finite on any rank is skipped on every rank and counted; a step with
 nothing to learn from on any rank is not taken at all (`stepped` 0): no token to train (every row
 dropped), or a policy-gradient step whose every advantage is 0 (every group's rewards equal) with no KL or
-distillation term, where only the entropy bonus would act. A batch
+distillation term, where only the entropy bonus would act, unless the caller asks to `explore` (see
+TrainingService: the version scored below the run's best, so the policy lost what it had found). A batch
 with routed_experts replays that routing in every forward of the step (and the backward's
 recomputations under activation checkpointing).
 """
@@ -112,12 +113,13 @@ class PolicyTrainer:
             logits = forward_logits(self.model, batch.tokens)
         return token_logprobs(logits, batch.tokens, self.loss.temperature)
 
-    def step(self, batch: PolicyBatch) -> dict[str, float]:
+    def step(self, batch: PolicyBatch, explore: bool = False) -> dict[str, float]:
+        """One optimizer step. explore: when no advantage is nonzero, still step on the entropy bonus (if any)."""
         self._check(batch)
         with replay_routing(self.model, batch.routed_experts):
-            return self._step(batch)
+            return self._step(batch, explore)
 
-    def _step(self, batch: PolicyBatch) -> dict[str, float]:
+    def _step(self, batch: PolicyBatch, explore: bool) -> dict[str, float]:
         cfg = self.loss
         device = batch.tokens.device
         local_tokens = batch.mask.sum()
@@ -128,8 +130,9 @@ class PolicyTrainer:
         global_tokens, global_sequences, global_signal = reduce_over_ranks(counts.to(device)).tolist()
         denominator = max(global_tokens if cfg.aggregation == "token_mean" else global_sequences, 1.0)
         # Nothing to learn from on any rank: no token, or (a policy-gradient step with no advantage, say
-        # every group got every answer right) only the entropy bonus, which must not steer alone.
-        learns = global_tokens > 0 and (global_signal > 0 or not cfg.pg_coef or cfg.kl_coef or cfg.distill_coef)
+        # every group got every answer right) only the entropy bonus, which steers alone only to explore.
+        others = not cfg.pg_coef or cfg.kl_coef or cfg.distill_coef or (explore and cfg.entropy_coef)
+        learns = global_tokens > 0 and (global_signal > 0 or bool(others))
 
         logits = forward_logits(self.model, batch.tokens)
         if cfg.temperature != 1.0:

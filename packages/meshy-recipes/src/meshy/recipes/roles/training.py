@@ -1,6 +1,7 @@
 """The training role: the policy trainer service, from the first weights version to the last."""
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -107,7 +108,9 @@ class TrainingRole:
         never stopped; the restored version is then published again."""
         resumed = checkpoint.latest(self.ctx.run_dir / "checkpoints")
         if resumed is not None:
-            version = checkpoint.load(resumed, self.trainer)["version"]
+            cursors = checkpoint.load(resumed, self.trainer)
+            version = cursors["version"]
+            self.service.best_reward = cursors.get("best_reward", -math.inf)  # checkpoints before it: unknown
         else:
             version = 0
             load_init(self.trainer.model, self.arch, self.ctx.recipe.model.init)
