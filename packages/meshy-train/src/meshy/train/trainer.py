@@ -131,8 +131,8 @@ class PolicyTrainer:
         denominator = max(global_tokens if cfg.aggregation == "token_mean" else global_sequences, 1.0)
         # Nothing to learn from on any rank: no token, or (a policy-gradient step with no advantage, say
         # every group got every answer right) only the entropy bonus, which steers alone only to explore.
-        others = not cfg.pg_coef or cfg.kl_coef or cfg.distill_coef or (explore and cfg.entropy_coef)
-        learns = global_tokens > 0 and (global_signal > 0 or bool(others))
+        other_terms = not cfg.pg_coef or cfg.kl_coef or cfg.distill_coef or (explore and cfg.entropy_coef)
+        learns = global_tokens > 0 and (global_signal > 0 or bool(other_terms))
 
         logits = forward_logits(self.model, batch.tokens)
         if cfg.temperature != 1.0:
