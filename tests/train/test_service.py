@@ -228,6 +228,37 @@ def test_epochs_pass_over_a_version_s_minibatches_again_clipped_against_where_th
     assert clipped[2] > clipped[1]
 
 
+def test_a_version_s_metrics_line_is_written_before_its_checkpoint(client, unique, tmp_path, monkeypatch):
+    """A resumed run keeps the metrics lines up to its checkpoint's version: a process killed after saving
+    version 4's checkpoint and before writing version 4's line left the run without it for good (the slow
+    tier's kill test, under load). Each checkpoint must find its version's line already written."""
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
+    put_groups(client, table, range(2), 2, ARCH.vocab_size)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(table=table, groups_per_rank=1, batch_timeout_s=5, checkpoint_every=1)
+    service = TrainingService(
+        client,
+        PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none")),
+        DirectoryPublisher(tmp_path / "weights", ARCH, dtype="float32"),
+        config,
+        metrics=MetricsLog(tmp_path / "metrics.jsonl"),
+        checkpoint_dir=tmp_path / "checkpoints",
+    )
+    found = {}
+    save = checkpoint.save
+
+    def save_and_look(root, step, trainer, cursors):
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        found[step] = [json.loads(line)["version"] for line in lines]
+        return save(root, step, trainer, cursors)
+
+    monkeypatch.setattr(checkpoint, "save", save_and_look)
+    for _ in range(2):
+        service.train_batch(service.wait_for_batch())
+    assert found == {1: [1], 2: [1, 2]}
+    assert checkpoint.step_of(checkpoint.latest(tmp_path / "checkpoints")) == 2
+
+
 def test_a_step_with_no_token_to_train_leaves_every_weight_where_it_is():
     """AdamW would move every weight along its momentum even with zero gradients: a step whose rows were
     all dropped (say, dynamic sampling once every group is right) must not move the policy."""

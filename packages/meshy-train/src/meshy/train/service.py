@@ -209,9 +209,6 @@ class TrainingService:
         publish_seconds = time.perf_counter() - publish_start
         if reward_mean is not None:
             self.best_reward = max(self.best_reward, reward_mean)
-        if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0 and self.checkpoint_dir is not None:
-            cursors = {"version": self.version, "best_reward": self.best_reward}
-            checkpoint.save(self.checkpoint_dir, self.version, self.trainer, cursors)
 
         bins = _staleness_bins(staleness)
         total = _sum_over_ranks(
@@ -256,6 +253,11 @@ class TrainingService:
         for key in [k for k in steps[0] if k not in record] if steps else ():  # the version's totals stay
             record[key] = sum(s[key] for s in steps) / len(steps)
         self.metrics.write(record)
+        # After the version's metrics line: a run resumed from this checkpoint keeps it (lines past the
+        # checkpoint's version are dropped). Saved before it, a kill in between lost the line for good.
+        if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0 and self.checkpoint_dir is not None:
+            cursors = {"version": self.version, "best_reward": self.best_reward}
+            checkpoint.save(self.checkpoint_dir, self.version, self.trainer, cursors)
         return record
 
     def _lease(self) -> Batch | None:
