@@ -6,3 +6,8 @@ dropped)."""
 
 def parity_reward(response: str, ground_truth: str) -> float:
     return float(sum(map(ord, response)) % 2)
+
+
+def answer_parity_reward(response: str, ground_truth: str) -> float:
+    """The parity of the right answer, whatever the response: every group's rewards are equal."""
+    return float(int(ground_truth) % 2)

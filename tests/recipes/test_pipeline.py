@@ -245,6 +245,26 @@ def test_dynamic_sampling_skips_whole_uniform_groups_and_counts_them_as_dropped(
     assert sum(m["rows_trained"] for m in metrics) > 0
 
 
+def test_tied_group_penalty_pushes_down_the_groups_tied_below_the_batch_s_best(tmp_path):
+    recipe = small_recipe(tmp_path, "1")
+    text = recipe.read_text().replace('kind = "grpo"', 'kind = "grpo"\ntied_group_penalty = 0.5')
+    text = text.replace(
+        'reward = "meshy.recipes.tasks.arithmetic:exact_match"',
+        'reward = "tests.recipes.parity_reward:answer_parity_reward"',  # every group tied, at 0 or at 1
+    )
+    recipe.write_text(text)
+    run_dir = run(recipe)
+    metrics = check_run(run_dir, 0)
+    scored = [r for r in records(run_dir, "rollout-0") if r["kind"] == "advantage"]
+    assert sum(r["groups"] for r in scored) >= STEPS * GROUPS  # and what was played past the last version
+    for r in scored:  # the groups at 0 are pushed, unless no group of the batch scored 1
+        solved = round(r["reward_mean"] * r["groups"])
+        assert r["tied_below_best"] == (r["groups"] - solved if solved else 0), r
+    assert any(r["tied_below_best"] for r in scored), "some batch had both kinds of group"
+    # GRPO alone gives every row advantage 0 here; pushed down, a token's clipped loss is 0.5 * its ratio > 0
+    assert all(m["pg_loss"] >= 0 for m in metrics) and any(m["pg_loss"] > 0 for m in metrics)
+
+
 def sharp_teacher(root: Path) -> Path:
     """A Qwen3 teacher with the student's architecture and a peaked output distribution (a scaled final
     norm), so the student starts far from it."""

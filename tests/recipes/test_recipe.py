@@ -126,6 +126,15 @@ def test_the_embedded_default_loads_and_resolves():
             "mixture-of-experts model",
         ),
         (
+            lambda t: t.replace("pacing = 1", "pacing = 1\ntied_group_penalty = -1.0"),
+            "tied_group_penalty: expected a finite value >= 0, got -1.0",
+        ),
+        (
+            lambda t: t.replace("pacing = 1", "pacing = 1\ntied_group_penalty = 0.1\ndynamic_sampling = true"),
+            'tied_group_penalty: pushes GRPO groups whose rewards are all equal; expected kind = "grpo" and '
+            "dynamic_sampling = false (it drops those groups), got kind = 'grpo', dynamic_sampling = True",
+        ),
+        (
             lambda t: t + "\n[algorithm.parallel]\ntp = 2\n",
             "ParallelConfig.tp: expected 1, got 2: tensor parallelism is not supported",
         ),

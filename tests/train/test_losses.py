@@ -8,6 +8,7 @@ from meshy.train.advantages import (
     drop_uniform_groups,
     gae,
     grpo_advantages,
+    push_tied_groups,
     sample_lambdas,
     tail_overlong_bonus,
 )
@@ -44,6 +45,23 @@ def test_grpo_advantages_centre_per_group_and_scale_by_unbiased_std():
     close(grpo_advantages(rewards, scale_by_std=False), [[0.5, -0.5, -0.5, 0.5], [1.0, -1.0, 0.0, 0.0]])
     a0, a1 = 0.5 / (std0 + 1e-6), 1.0 / (std1 + 1e-6)
     close(grpo_advantages(rewards, scale_by_std=True), [[a0, -a0, -a0, a0], [a1, -a1, 0.0, 0.0]])
+
+
+def test_push_tied_groups_pushes_down_only_groups_tied_below_the_best():
+    rewards = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.4, 0.4, 0.4], [1.0, 1.0, 1.0], [0.4, 0.4, 0.3]])
+    advantages = grpo_advantages(rewards, scale_by_std=True)
+    pushed, stuck = push_tied_groups(advantages, rewards, penalty=0.1)
+    assert stuck == 2  # the groups tied at 0 and at 0.4; the one tied at the best (1) is solved
+    close(pushed[[0, 2]], [[-0.1] * 3] * 2)
+    close(pushed[[1, 3, 4]], advantages[[1, 3, 4]].tolist())
+    unpushed, stuck = push_tied_groups(advantages, rewards, penalty=0.0)
+    assert stuck == 2 and bool((unpushed == advantages).all())
+    alike = torch.tensor([[0.5, 0.5], [0.5, 0.5]])  # every group tied at the batch's best: none below it
+    assert push_tied_groups(torch.zeros(2, 2), alike, penalty=0.1)[1] == 0
+    with pytest.raises(ValueError, match="penalty: expected a finite value >= 0, got -0.1"):
+        push_tied_groups(advantages, rewards, penalty=-0.1)
+    with pytest.raises(ValueError, match=r"advantages, rewards: expected \[G, n\] tensors of one shape"):
+        push_tied_groups(advantages[:2], rewards, penalty=0.1)
 
 
 def test_dapo_overlong_penalty_is_zero_then_linear_then_flat():

@@ -233,6 +233,11 @@ class AlgorithmSpec:
     lambda = gae_k ** (1 / length)), critic_optim, critic_warmup_versions.
     distill: teacher_topk ids per token; set loss.distill_coef (and pg_coef 0 for pure distillation).
     dynamic_sampling: rows of a group whose rewards are all equal are not trained (counted as dropped).
+    tied_group_penalty (grpo): the advantage of a group whose rewards are all equal and below the best
+    reward of the groups scored with it (the rollout scores up to 64 rows at once, as they are ready) is
+    -tied_group_penalty, not 0: its policy keeps giving one wrong answer, and the push reopens sampling there
+    (meshy.train.advantages.push_tied_groups). 0 is GRPO. Which groups are scored together depends on timing,
+    so a lock-step run with it need not replay exactly.
     overlong_buffer: DAPO soft overlong penalty over the last overlong_buffer tokens of max_new_tokens,
     falling to -overlong_factor (GRPO: added to the reward; PPO: to the advantages after GAE, tail
     only, so the critic never learns it). 0 turns it off. loss.kl_coef: KL to the frozen initial policy
@@ -251,6 +256,7 @@ class AlgorithmSpec:
     epochs: int = 1
     scale_by_std: bool = True
     dynamic_sampling: bool = False
+    tied_group_penalty: float = 0.0
     overlong_buffer: int = 0
     overlong_factor: float = 1.0
     critic_warmup_versions: int = 0
@@ -283,6 +289,14 @@ class AlgorithmSpec:
             raise SchemaError(
                 f"initial_value, overlong_factor: expected finite numbers, got {self.initial_value}, "
                 f"{self.overlong_factor}"
+            )
+        if not 0 <= self.tied_group_penalty < math.inf:
+            raise SchemaError(f"tied_group_penalty: expected a finite value >= 0, got {self.tied_group_penalty}")
+        if self.tied_group_penalty and (self.kind != "grpo" or self.dynamic_sampling):
+            raise SchemaError(
+                f'tied_group_penalty: pushes GRPO groups whose rewards are all equal; expected kind = "grpo" and '
+                f"dynamic_sampling = false (it drops those groups), got kind = {self.kind!r}, "
+                f"dynamic_sampling = {self.dynamic_sampling}"
             )
         if self.overlong_buffer < 0 or self.overlong_factor < 0:
             raise SchemaError(

@@ -1,10 +1,13 @@
-"""Advantages for outcome rewards: GRPO group baselines, DAPO overlong shaping and dynamic sampling, critic GAE.
+"""Advantages for outcome rewards: GRPO group baselines and the push on groups tied below the best, DAPO overlong
+shaping and dynamic sampling, critic GAE.
 
 The overlong penalty is kept out of the critic's targets: `gae` sees only the task reward, and callers add
 the penalty to the advantages afterwards (`tail_overlong_bonus`). Folded into the rewards, it would teach the
 critic to predict truncation from a prefix and GAE would spread it over the whole response, instead of it
 landing on the tail tokens that made the response too long.
 """
+
+import math
 
 import torch
 from torch import Tensor
@@ -26,6 +29,30 @@ def grpo_advantages(rewards: Tensor, scale_by_std: bool, eps: float = 1e-6) -> T
     if scale_by_std:
         return centred / (rewards.std(dim=1, keepdim=True) + eps)
     return centred
+
+
+def push_tied_groups(advantages: Tensor, rewards: Tensor, penalty: float) -> tuple[Tensor, int]:
+    """Advantages [G, n] where every row of a group whose rewards are all equal and below the best reward in
+    `rewards` is -penalty instead, and how many such groups there are (whatever the penalty, 0 included).
+
+    Such a group's prompt is unsolved (another group did better) and the policy keeps giving it one answer,
+    so its GRPO advantage is 0 and nothing would ever change that answer: an entropy bonus hardly moves a
+    near-deterministic token. Pushing the answer down makes sampling vary again, and the group's spread
+    carries signal once more. A group tied at the best (all solved, or all equally wrong when no group did
+    better) keeps advantage 0.
+    """
+    if rewards.shape != advantages.shape or rewards.ndim != 2:
+        raise ValueError(
+            f"advantages, rewards: expected [G, n] tensors of one shape, got {tuple(advantages.shape)}, "
+            f"{tuple(rewards.shape)}"
+        )
+    if not 0 <= penalty < math.inf:
+        raise ValueError(f"penalty: expected a finite value >= 0, got {penalty}")
+    low, high = rewards.amin(dim=1, keepdim=True), rewards.amax(dim=1, keepdim=True)
+    stuck = (low == high) & (high < rewards.max())
+    if penalty:
+        advantages = torch.where(stuck, torch.full_like(advantages, -penalty), advantages)
+    return advantages, int(stuck.sum())
 
 
 def dapo_overlong_penalty(lengths: Tensor, max_length: int, buffer: int, factor: float = 1.0) -> Tensor:

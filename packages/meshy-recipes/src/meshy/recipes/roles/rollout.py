@@ -28,6 +28,7 @@ from meshy.train.advantages import (
     drop_uniform_groups,
     gae,
     grpo_advantages,
+    push_tied_groups,
     sample_lambdas,
     tail_overlong_bonus,
 )
@@ -139,14 +140,18 @@ class RolloutRole:
             responses = batch.columns[cols.RESPONSE_IDS]
             rewards = batch.columns[cols.REWARD] + self._overlong_penalty(responses)
             rewards = rewards.view(-1, algo.group_size)
-            advantage = grpo_advantages(rewards, scale_by_std=algo.scale_by_std).view(-1)
+            advantage, stuck = push_tied_groups(
+                grpo_advantages(rewards, scale_by_std=algo.scale_by_std), rewards, algo.tied_group_penalty
+            )
+            advantage = advantage.view(-1)
             trained = self._trained_rows(rewards)
             per_token = [
                 torch.full((len(r) if keep else 0,), float(a), device=HOST)
                 for r, a, keep in zip(responses, advantage, trained, strict=True)
             ]
             client.add_columns(table, batch.row_ids, {cols.ADVANTAGE: per_token}, ack=batch)
-            self.ctx.record("advantage", groups=len(batch) // algo.group_size, reward_mean=float(rewards.mean()))
+            groups = len(batch) // algo.group_size
+            self.ctx.record("advantage", groups=groups, reward_mean=float(rewards.mean()), tied_below_best=stuck)
 
     def critic_advantages(self) -> None:
         """GAE over the critic's values, outcome reward on the last token, gamma 1, lambda_i = k^(1/L_i);
