@@ -51,7 +51,7 @@ def push_tied_groups(advantages: Tensor, rewards: Tensor, penalty: float) -> tup
     low, high = rewards.amin(dim=1, keepdim=True), rewards.amax(dim=1, keepdim=True)
     stuck = (low == high) & (high < rewards.max())
     if penalty:
-        advantages = torch.where(stuck, torch.full_like(advantages, -penalty), advantages)
+        advantages = advantages.masked_fill(stuck, -penalty)
     return advantages, int(stuck.sum())
 
 
