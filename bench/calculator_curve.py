@@ -1,6 +1,7 @@
 """The calculator task learned from scratch, with the tool and without it, in one run on this machine.
 
     uv run python bench/calculator_curve.py [--minutes 15] [--recipe calculator-tiny-cpu] [--seeds 0 1 2]
+        [--keep DIR]
 
 Each run is a real `meshy run` of the recipe, one after the other (never side by side: they would
 share the cores): `with the tool` as shipped, once per seed in --seeds (the recipe's `seed`: the model's
@@ -11,10 +12,13 @@ answers, no calculator to call). A run ends at the recipe's `steps` or when `--m
 as a user would stop it (SIGINT). The table gives, for each minute of the run, the mean reward of
 the versions trained in it (the recipe's reward, partial credit included) and the share of its
 trajectories that ended with exactly the right answer (reward 1.0), read from the run's own
-metrics.jsonl and records/environment-*.jsonl.
+metrics.jsonl and records/environment-*.jsonl. The runs are deleted afterwards unless `--keep DIR`
+is given: then each stays in DIR/tool-{true,false}-seed-N (its records, checkpoints and logs), for
+reading a run that did not reach the target.
 """
 
 import argparse
+import contextlib
 import json
 import re
 import signal
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,10 +77,31 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def measure(source: Path, tool: str, seed: int, minutes: float) -> tuple[Curve, str]:
-    """Run the recipe for at most `minutes`; its curve, and how it ended."""
+def kept_directories(keep: Path, runs: list[tuple[str, int]]) -> list[Path]:
+    """A new directory in `keep` for each (tool, seed) run, made before any run starts (an existing one
+    is refused: its run's records would mix with another's)."""
+    directories = [keep / f"tool-{tool}-seed-{seed}" for tool, seed in runs]
+    for directory in directories:
+        try:
+            directory.mkdir(parents=True)
+        except FileExistsError:
+            sys.exit(f"--keep: {directory} exists; give a directory this bench's runs are not in yet")
+    return directories
+
+
+@contextlib.contextmanager
+def run_directory(kept: Path | None) -> Iterator[Path]:
+    """Where a run's recipe and run directory go: `kept`, or a temporary directory deleted afterwards."""
+    if kept is not None:
+        yield kept
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
+        yield Path(tmp)
+
+
+def measure(source: Path, tool: str, seed: int, minutes: float, kept: Path | None) -> tuple[Curve, str]:
+    """Run the recipe for at most `minutes` (in `kept`, if given); its curve, and how it ended."""
+    with run_directory(kept) as directory:
         command = [sys.executable, "-m", "meshy.recipes.cli", "run", str(recipe(directory, source, tool, seed))]
         start = time.time()
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -109,11 +135,16 @@ def main() -> None:
     parser.add_argument("--recipe", default="calculator-tiny-cpu", help="a shipped recipe's name or a file")
     parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="the runs with the tool, one per seed")
+    parser.add_argument("--keep", type=Path, help="keep each run in a new directory in this one")
     args = parser.parse_args()
     source = resolve(args.recipe)
     runs = {f"with the tool, seed {seed}": (TOOL, seed) for seed in args.seeds}
     runs[f"without the tool, seed {args.seeds[0]}"] = (NO_TOOL, args.seeds[0])
-    results = {label: measure(source, tool, seed, args.minutes) for label, (tool, seed) in runs.items()}
+    kept = kept_directories(args.keep, list(runs.values())) if args.keep else [None] * len(runs)
+    results = {
+        label: measure(source, tool, seed, args.minutes, directory)
+        for (label, (tool, seed)), directory in zip(runs.items(), kept, strict=True)
+    }
     print(f"\n{source.stem}, from scratch, at most {args.minutes:g} minutes of `meshy run` per run\n")
     for label, (curve, ending) in results.items():
         reached = curve.reached()

@@ -39,3 +39,17 @@ def test_the_curve_averages_by_minute_and_reaches_the_target_over_a_window_of_ve
     assert curve.exact(0, 60) == 0.5 and curve.exact(60, 120) == 0.5 and curve.exact(120, 180) is None
     assert curve.reached() == 318.0, "the first version whose window's mean reaches 0.9: (2 * 0.5 + 18 * 0.95) / 20"
     assert module.Curve(versions[: -module.WINDOW // 2], trajectories).reached() is None
+
+
+def test_kept_runs_go_to_new_directories_and_outlive_the_bench_while_others_are_deleted(tmp_path):
+    module = bench()
+    kept = module.kept_directories(tmp_path / "runs", [("true", 0), ("true", 1), ("false", 0)])
+    assert [p.name for p in kept] == ["tool-true-seed-0", "tool-true-seed-1", "tool-false-seed-0"]
+    with module.run_directory(kept[0]) as directory:
+        (directory / "metrics.jsonl").write_text("{}\n")
+    assert (kept[0] / "metrics.jsonl").exists(), "a kept run stays"
+    with module.run_directory(None) as directory:
+        (directory / "metrics.jsonl").write_text("{}\n")
+    assert not directory.exists(), "a run not kept is deleted"
+    with pytest.raises(SystemExit, match="--keep: .*tool-true-seed-1 exists"):
+        module.kept_directories(tmp_path / "runs", [("true", 1)])
