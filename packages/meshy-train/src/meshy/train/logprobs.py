@@ -27,6 +27,24 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
     return model(tokens[:, :-1]).float()
 
 
+def response_logits(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [N, V] at the N `positions` ([B, T-1] bool) of forward_logits' [B, T-1, V], computed
+    only there: the vocabulary-wide output projection, and every per-token op after it, skip the prompt's
+    and the padding's positions (most of a batch's positions when responses are short). The decoder
+    returns its final hidden states (torchtitan's `_skip_lm_head`, as its chunked loss uses it)."""
+    model._skip_lm_head = True
+    try:
+        hidden = model(tokens[:, :-1])
+    finally:
+        model._skip_lm_head = False
+    return model.lm_head(hidden[positions]).float()
+
+
+def spread(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-position values [N] back in place [B, T-1] (0 elsewhere); gradients flow to `values`."""
+    return torch.zeros(positions.shape, dtype=values.dtype, device=values.device).masked_scatter(positions, values)
+
+
 def full_log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log-softmax over the vocabulary [B, T-1, V], float32, at the sampling temperature."""
     if temperature != 1.0:
@@ -34,9 +52,14 @@ def full_log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
     return F.log_softmax(logits.float(), dim=-1)
 
 
+def picked_logprobs(log_probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) [N] from the full log-softmax [N, V] of each of N positions."""
+    return torch.gather(log_probs, -1, labels.unsqueeze(-1)).squeeze(-1)
+
+
 def label_logprobs(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(tokens[:, t + 1] | tokens[:, :t + 1]) as [B, T-1], picked from a full log-softmax."""
-    return torch.gather(log_probs, -1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return picked_logprobs(log_probs, tokens[:, 1:])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -91,8 +91,9 @@ def build_model(
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    if world == 1 and dtype != "float32":
-        model.forward = torch.autocast(device.type, dtype=DTYPES[dtype])(model.forward)
+    if world == 1 and dtype != "float32":  # the output projection too, when called alone (response_logits)
+        for module in (model, model.lm_head):
+            module.forward = torch.autocast(device.type, dtype=DTYPES[dtype])(module.forward)
     model.train()
     return model, dims
 

@@ -22,7 +22,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from meshy.dataplane import SchemaError
 from meshy.train.config import LossConfig, OptimConfig
-from meshy.train.logprobs import forward_logits, full_log_probs, label_logprobs, token_logprobs
+from meshy.train.logprobs import full_log_probs, picked_logprobs, response_logits, spread
 from meshy.train.losses import (
     aggregate,
     entropy_from_log_probs,
@@ -108,10 +108,13 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def logprobs(self, batch: PolicyBatch) -> torch.Tensor:
-        """The current policy's logprobs of a batch (the "old" policy when a version takes several steps)."""
+        """The current policy's logprobs of a batch's trained tokens (the "old" policy when a version takes
+        several steps), 0 at positions outside its mask."""
+        positions = batch.mask.bool()
         with replay_routing(self.model, batch.routed_experts):
-            logits = forward_logits(self.model, batch.tokens)
-        return token_logprobs(logits, batch.tokens, self.loss.temperature)
+            logits = response_logits(self.model, batch.tokens, positions)
+        labels = batch.tokens[:, 1:][positions]
+        return spread(picked_logprobs(full_log_probs(logits, self.loss.temperature), labels), positions)
 
     def step(self, batch: PolicyBatch, explore: bool = False) -> dict[str, float]:
         """One optimizer step. explore: when no advantage is nonzero, still step on the entropy bonus (if any)."""
@@ -134,11 +137,14 @@ class PolicyTrainer:
         other_terms = not cfg.pg_coef or cfg.kl_coef or cfg.distill_coef or (explore and cfg.entropy_coef)
         learns = global_tokens > 0 and (global_signal > 0 or bool(other_terms))
 
-        logits = forward_logits(self.model, batch.tokens)
+        # Logits only where a token is trained ([N, V] for the N positions of the mask), spread back to
+        # [B, T-1] per-token tensors (0 elsewhere), which the losses mask.
+        positions = batch.mask.bool()
+        logits = response_logits(self.model, batch.tokens, positions)
         if cfg.temperature != 1.0:
             logits = logits / cfg.temperature
         log_probs = full_log_probs(logits)
-        logprobs = label_logprobs(log_probs, batch.tokens)
+        logprobs = spread(picked_logprobs(log_probs, batch.tokens[:, 1:][positions]), positions)
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         metrics: dict[str, float] = {"tokens": float(local_tokens), "global_tokens": global_tokens}
         parts: dict[str, torch.Tensor] = {}  # this rank's shares of the loss parts' global means
@@ -171,17 +177,22 @@ class PolicyTrainer:
             parts["kl"] = aggregate(kl.detach(), batch.mask, cfg.aggregation, denominator)
             token_loss = token_loss + cfg.kl_coef * kl
         if cfg.entropy_coef:
-            entropy = entropy_from_log_probs(log_probs)
+            entropy = spread(entropy_from_log_probs(log_probs.unsqueeze(0))[0], positions)
             parts["entropy"] = aggregate(entropy.detach(), batch.mask, cfg.aggregation, denominator)
             token_loss = token_loss - cfg.entropy_coef * entropy
         else:
-            metrics["entropy"] = self._entropy_metric(log_probs, batch.mask)
+            metrics["entropy"] = self._entropy_metric(log_probs)
         if cfg.distill_coef:
             if batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
                 raise SchemaError(
                     "PolicyBatch.teacher_topk_ids/_logprobs: required when LossConfig.distill_coef is set"
                 )
-            distill = topk_forward_kl(logits, batch.teacher_topk_ids, batch.teacher_topk_logprobs)
+            distill = topk_forward_kl(
+                logits.unsqueeze(0),
+                batch.teacher_topk_ids[positions].unsqueeze(0),
+                batch.teacher_topk_logprobs[positions].unsqueeze(0),
+            )
+            distill = spread(distill[0], positions)
             parts["distill_kl"] = aggregate(distill.detach(), batch.mask, cfg.aggregation, denominator)
             token_loss = token_loss + cfg.distill_coef * distill
 
@@ -207,17 +218,18 @@ class PolicyTrainer:
         )
         return metrics
 
-    def _entropy_metric(self, log_probs: torch.Tensor, mask: torch.Tensor) -> float:
-        """Mean entropy per trained token, over at most `entropy_metric_tokens` of them per rank (evenly
-        strided): as a metric it needs no more, and on small models a full pass costs as much as a layer."""
+    def _entropy_metric(self, log_probs: torch.Tensor) -> float:
+        """Mean entropy per trained token (log_probs: [N, V], one row per trained token), over at most
+        `entropy_metric_tokens` of them per rank (evenly strided): as a metric it needs no more, and on
+        small models a full pass costs as much as a layer."""
         with torch.no_grad():
             device = log_probs.device
-            positions = mask.bool().nonzero()
             limit = self.loss.entropy_metric_tokens
-            if limit and len(positions) > limit:
-                positions = positions[torch.linspace(0, len(positions) - 1, limit, device=device).long()]
-            picked = log_probs[positions[:, 0], positions[:, 1]].unsqueeze(0)
-            count = torch.tensor(float(len(positions)), device=device)
+            rows = torch.arange(len(log_probs), device=device)
+            if limit and len(rows) > limit:
+                rows = torch.linspace(0, len(rows) - 1, limit, device=device).long()
+            picked = log_probs[rows].unsqueeze(0)
+            count = torch.tensor(float(len(rows)), device=device)
             totals = torch.stack([entropy_from_log_probs(picked).sum(), count])
             entropy_sum, count = reduce_over_ranks(totals).tolist()
         return entropy_sum / max(count, 1.0)
