@@ -14,19 +14,23 @@ def build_engine(
     colocate: bool = False,
     version: int | None = None,
     record_routing: bool = False,
+    max_running: int | None = None,
 ) -> Engine:
     """SGLang (imported only when named) or the pure-torch engine, on the process's device in the
     recipe's model dtype, sized by `sampling.max_in_flight` and `sampling.context_length`. colocate: the
     engine will release and onload its device memory for a GPU token ring. version: the weights version
     `source` holds (default: a Published source's, else 0). record_routing: the engine reports a
-    mixture's experts per generated token (routing replay; TorchEngine always does for a mixture). The
-    process's records say which engine it built."""
-    engine = _engine(ctx, source, colocate, version, record_routing)
+    mixture's experts per generated token (routing replay; TorchEngine always does for a mixture).
+    max_running: requests at once, if fewer than sampling.max_in_flight will ever come. The process's
+    records say which engine it built."""
+    engine = _engine(ctx, source, colocate, version, record_routing, max_running or ctx.recipe.sampling.max_in_flight)
     ctx.record("engine", engine=type(engine).__name__, device=ctx.slot.device, dtype=ctx.recipe.model.dtype)
     return engine
 
 
-def _engine(ctx: RoleContext, source: ModelSource, colocate: bool, version: int | None, record_routing: bool) -> Engine:
+def _engine(
+    ctx: RoleContext, source: ModelSource, colocate: bool, version: int | None, record_routing: bool, max_running: int
+) -> Engine:
     sampling, dtype = ctx.recipe.sampling, ctx.recipe.model.dtype
     if sampling.engine == "sglang":
         from meshy.infer.sglang_engine import SGLangEngine
@@ -40,7 +44,7 @@ def _engine(ctx: RoleContext, source: ModelSource, colocate: bool, version: int 
         routing = {"record_routing": True, "pause_mode": "abort"} if record_routing else {}
         return SGLangEngine(
             source,
-            max_running=sampling.max_in_flight,
+            max_running=max_running,
             max_len=sampling.context_length,
             device="cuda" if ctx.slot.devices else "cpu",
             dtype=dtype,
@@ -52,7 +56,7 @@ def _engine(ctx: RoleContext, source: ModelSource, colocate: bool, version: int 
         )
     return TorchEngine(
         source,
-        max_running=sampling.max_in_flight,
+        max_running=max_running,
         max_len=sampling.context_length,
         device=ctx.slot.device,
         dtype=dtype,

@@ -26,8 +26,10 @@ def _audit(sequence: list[int]) -> SequenceAudit:
 
 def report(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
-    metrics = _lines(run_dir / "metrics.jsonl")
-    if not metrics and not (run_dir / "records").is_dir():
+    lines = _lines(run_dir / "metrics.jsonl")
+    metrics = [m for m in lines if "eval/accuracy" not in m]  # a line per trained version
+    evals = [m for m in lines if "eval/accuracy" in m]  # a line per evaluated version
+    if not lines and not (run_dir / "records").is_dir():
         raise SchemaError(f"inspect: {run_dir} has no metrics.jsonl and no records/; is it a run directory?")
     out = [f"run {run_dir}"]
     versions = [m["version"] for m in metrics]
@@ -106,7 +108,25 @@ def report(run_dir: str | Path) -> str:
     rewards = [m["reward_mean"] for m in metrics if m.get("reward_mean") is not None]
     if rewards:
         out.append(f"mean reward: first {rewards[0]:.3f}, last {rewards[-1]:.3f}, best {max(rewards):.3f}")
+    out += _evaluations(run_dir, evals)
     return "\n".join(out)
+
+
+def _evaluations(run_dir: Path, evals: list[dict]) -> list[str]:
+    """The held-out accuracy's curve: its first, best and last evaluated versions (and pass@k's)."""
+    if not evals:
+        return []
+    skipped = sum(r["kind"] == "eval_skipped" for p in (run_dir / "records").glob("eval-*.jsonl") for r in _lines(p))
+    out = []
+    for key in ["eval/accuracy", *sorted({k for m in evals for k in m if k.startswith("eval/pass@")})]:
+        points = [(m["version"], m[key]) for m in evals if key in m]
+        best = max(points, key=lambda p: p[1])
+        out.append(
+            f"held-out {key[5:]} ({evals[0]['eval/problems']} problems, {len(points)} versions evaluated"
+            f"{f', {skipped} overtaken' if skipped else ''}): first v{points[0][0]} {points[0][1]:.3f}, "
+            f"best v{best[0]} {best[1]:.3f}, last v{points[-1][0]} {points[-1][1]:.3f}"
+        )
+    return out
 
 
 def _traffic(run_dir: Path) -> list[str]:

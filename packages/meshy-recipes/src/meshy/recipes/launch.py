@@ -24,7 +24,7 @@ from meshy.recipes.context import RoleContext, announce_stop
 from meshy.recipes.dataflow import tables
 from meshy.recipes.imports import import_object
 from meshy.recipes.nodes import NODE_ADDRESS_ENV, node_address, node_rank, run_dir
-from meshy.recipes.recipe import Recipe, load_recipe
+from meshy.recipes.recipe import CustomRoleSpec, Recipe, RoleSpec, load_recipe
 from meshy.recipes.servers import host_servers
 from meshy.recipes.topology import Slot, assign, on_node
 from meshy.recipes.watchdog import Watchdog
@@ -43,10 +43,20 @@ def role_class(recipe: Recipe, slot: Slot) -> type:
         "critic": "meshy.recipes.roles.critic:CriticRole",
         "teacher": "meshy.recipes.roles.teacher:TeacherRole",
         "reference": "meshy.recipes.roles.reference:ReferenceRole",
+        "eval": "meshy.recipes.roles.eval:EvalRole",
     }
     if slot.role in builtin:
         return import_object(builtin[slot.role], f"roles.{slot.role}")
     return import_object(next(c.cls for c in recipe.roles.custom if c.name == slot.role), f"roles.custom.{slot.role}")
+
+
+def cpu_threads(spec: RoleSpec | CustomRoleSpec, slot: Slot) -> int:
+    """The threads of the process's CPU tensor ops (torchrun sets one per process): the role's `threads`,
+    else every core this process may run on when the role runs on the CPU (roles that compute on the CPU
+    mostly take turns: a role on the CPU that waits for another's rows uses none), else one."""
+    if spec.threads:
+        return spec.threads
+    return 1 if slot.devices else len(os.sched_getaffinity(0))
 
 
 def import_role(recipe: Recipe, slot: Slot) -> None:
@@ -68,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{os.environ['LOCAL_WORLD_SIZE']} here (--nproc-per-node={len(here)}; meshy check prints each node's)"
         )
     slot = here[int(os.environ["LOCAL_RANK"])]
+    torch.set_num_threads(cpu_threads(dict(recipe.roles.items())[slot.role], slot))
     if slot.devices:  # "cuda" without an index means the slot's GPU in this process, not GPU 0
         torch.cuda.set_device(slot.device)
         fraction = dict(recipe.roles.items())[slot.role].memory_fraction
@@ -105,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     servers = server.pids if server is not None else None
     published = endpoints.to_json() if slot.rank == 0 else None  # where the data plane listens, for audits
     where = {"rank": slot.rank, "node": slot.node, "address": address}
-    ctx.record("start", **where, pid=os.getpid(), dataplane=servers, endpoints=published)
+    ctx.record(
+        "start", **where, pid=os.getpid(), threads=torch.get_num_threads(), dataplane=servers, endpoints=published
+    )
     watched = [spec.name for spec in tables(recipe)]
     watchdog = Watchdog(client, watched, directory, recipe.stall_after_s) if slot.rank == 0 else None
     if watchdog is not None:

@@ -14,8 +14,9 @@ class Progress:
         self.run_dir = run_dir
         self.steps = steps
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        self.curve = [(m["version"], m["time"], m["reward_mean"]) for m in earlier if m["reward_mean"] is not None]
-        self.start = self.curve[0][1] if self.curve else time.time()
+        self.curve = [(m["version"], m["time"], m["reward_mean"]) for m in earlier if m.get("reward_mean") is not None]
+        self.eval_curve = [(m["version"], m["time"], m["eval/accuracy"]) for m in earlier if "eval/accuracy" in m]
+        self.start = min([t for _, t, _ in self.curve + self.eval_curve], default=time.time())
 
     def step(self, record: dict) -> None:
         version, elapsed = record["version"], record["time"] - self.start
@@ -35,23 +36,42 @@ class Progress:
             flush=True,
         )
 
+    def eval(self, line: dict) -> None:
+        """An evaluated version's line of metrics.jsonl (meshy.recipes.evaluation.EvalFigures.metrics)."""
+        version = line["version"]
+        for key, value in line.items():
+            if key.startswith("eval/"):
+                self.writer.add_scalar(key, value, version)
+        self.eval_curve.append((version, line["time"], line["eval/accuracy"]))
+        passed = "".join(f"  {k[5:]} {v:.3f}" for k, v in line.items() if k.startswith("eval/pass@"))
+        print(
+            f"eval weights v{version}  accuracy {line['eval/accuracy']:.3f}{passed}  reward {line['eval/reward']:.3f}  "
+            f"({line['eval/problems']} held-out problems, {line['eval/seconds']:.1f}s)  "
+            f"[{line['time'] - self.start:.0f}s]",
+            flush=True,
+        )
+
     def close(self) -> Path | None:
-        """Flush TensorBoard and draw the reward curve; returns the PNG's path."""
+        """Flush TensorBoard and draw the reward curve (and the held-out accuracy's, when the run evaluates);
+        returns the PNG's path."""
         self.writer.close()
-        if not self.curve:
+        if not self.curve and not self.eval_curve:
             return None
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        versions, times, rewards = zip(*self.curve, strict=True)
-        seconds = [t - self.start for t in times]
         figure, (by_version, by_time) = plt.subplots(1, 2, figsize=(10, 4))
-        by_version.plot(versions, rewards)
-        by_version.set(xlabel="weights version", ylabel="mean reward of trained rows", ylim=(0, 1.05))
-        by_time.plot(seconds, rewards)
+        for curve, label in ((self.curve, "mean reward of trained rows"), (self.eval_curve, "held-out accuracy")):
+            if not curve:
+                continue
+            versions, times, values = zip(*curve, strict=True)
+            by_version.plot(versions, values, label=label, marker="o" if curve is self.eval_curve else None)
+            by_time.plot([t - self.start for t in times], values, label=label)
+        by_version.set(xlabel="weights version", ylim=(0, 1.05))
         by_time.set(xlabel="seconds", ylim=(0, 1.05))
+        by_version.legend(loc="lower right")
         figure.tight_layout()
         path = self.run_dir / "reward_curve.png"
         figure.savefig(path)

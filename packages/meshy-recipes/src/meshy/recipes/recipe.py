@@ -26,9 +26,10 @@ from meshy.recipes.topology import layout
 from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
 
-BUILTIN_ROLES = ("training", "inference", "rollout", "environment", "critic", "teacher", "reference")
+BUILTIN_ROLES = ("training", "inference", "rollout", "environment", "critic", "teacher", "reference", "eval")
 # the roles that hand devices over through a GPU token ring (meshy.recipes.colocation)
-RING_ROLES = ("training", "inference", "critic", "teacher", "reference")
+RING_ROLES = ("training", "inference", "critic", "teacher", "reference", "eval")
+EVAL_SEED = 999_983  # the held-out set's default seed: the same set whatever the run's seed
 DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
 
 
@@ -39,6 +40,8 @@ def _check_placement(spec: "RoleSpec | CustomRoleSpec") -> None:
         raise SchemaError(f"node: expected a node index >= 0, got {spec.node}")
     if spec.memory_fraction is not None and not 0 < spec.memory_fraction <= 1:
         raise SchemaError(f"memory_fraction: expected a fraction in (0, 1] of each GPU, got {spec.memory_fraction}")
+    if spec.threads < 0:
+        raise SchemaError(f"threads: expected >= 0 CPU threads per process (0: the default), got {spec.threads}")
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,14 @@ class RoleSpec:
     """processes: how many ranks run the role. devices_per_process: GPUs each uses (0: CPU).
     memory_fraction: the share of each of its GPUs the role may allocate (None: all of it); needed when
     roles share GPUs at the same time (Recipe.share_devices). node: the node its first process runs on
-    (None: where the role before it ended; meshy.recipes.topology)."""
+    (None: where the role before it ended; meshy.recipes.topology). threads: CPU threads of each
+    process's tensor ops (0: every core of the host for a role on the CPU, one for a role on GPUs)."""
 
     processes: int = 1
     devices_per_process: int = 0
     memory_fraction: float | None = None
     node: int | None = None
+    threads: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -65,7 +70,8 @@ class CustomRoleSpec:
     consumes them; the table then keeps every row until that task has acked it too, and the class also
     gets `task=...`. Without it, rows are freed once training is done with them, scored or not.
     reads/writes: the columns the task leases rows by and the [[extra_columns]] it adds, so the recipe
-    is refused if a column it reads has no writer (meshy.recipes.dataflow)."""
+    is refused if a column it reads has no writer (meshy.recipes.dataflow). The placement fields are
+    RoleSpec's."""
 
     name: str
     cls: str
@@ -73,6 +79,7 @@ class CustomRoleSpec:
     devices_per_process: int = 0
     memory_fraction: float | None = None
     node: int | None = None
+    threads: int = 0
     options: dict = field(default_factory=dict)
     task: str = ""
     reads: tuple[str, ...] = ()
@@ -102,7 +109,8 @@ class CustomRoleSpec:
 class RolesSpec:
     """The run's roles. environment: plays multi-turn trajectories (task.environment). critic: PPO's
     learned values. teacher: online policy distillation's top-k. reference: the frozen initial policy,
-    scoring every response for KL to it (algorithm.loss.kl_coef)."""
+    scoring every response for KL to it (algorithm.loss.kl_coef). eval: evaluates held-out problems
+    ([eval]; one process on the CPU unless this section places it)."""
 
     training: RoleSpec = field(default_factory=RoleSpec)
     inference: RoleSpec = field(default_factory=RoleSpec)
@@ -111,6 +119,7 @@ class RolesSpec:
     critic: RoleSpec | None = None
     teacher: RoleSpec | None = None
     reference: RoleSpec | None = None
+    eval: RoleSpec | None = None
     custom: tuple[CustomRoleSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -329,6 +338,43 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True)
+class EvalSpec:
+    """Held-out evaluation, run by the eval role on published weights while training goes on: version 0,
+    every `every`-th version and the last. The held-out set is the first `count` problems of `problems`
+    (default: task.problems, with `options`, default task.options) seeded with `seed` (default: the same
+    set whatever the run's seed); rollout never writes a problem whose prompt is among them. Each gets
+    `samples` answers at `temperature` (0: greedy, one answer), of at most `max_new_tokens` tokens (0:
+    sampling.max_new_tokens), scored by task.reward; an answer is correct when it gets full marks
+    (reward >= 1). metrics.jsonl gets eval/accuracy (correct answers), eval/pass@k (problems with a correct
+    answer among their k, when samples = k > 1) and eval/reward per evaluated version."""
+
+    every: int = 10
+    count: int = 128
+    seed: int = EVAL_SEED
+    problems: str = ""
+    options: dict | None = None
+    samples: int = 1
+    temperature: float = 0.0
+    max_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.every < 1 or self.count < 1 or self.samples < 1 or self.max_new_tokens < 0:
+            raise SchemaError(
+                f"every, count, samples: expected >= 1, max_new_tokens >= 0 (0: sampling's), got {self.every}, "
+                f"{self.count}, {self.samples}, {self.max_new_tokens}"
+            )
+        if not 0 <= self.temperature < math.inf:
+            raise SchemaError(f"temperature: expected a finite value >= 0 (0: greedy), got {self.temperature}")
+        if self.samples > 1 and self.temperature == 0:
+            raise SchemaError(
+                f"samples: {self.samples} answers per problem need temperature > 0 (greedy answers are all the same)"
+            )
+        if self.problems and ":" not in self.problems:
+            raise SchemaError(f"problems: {self.problems!r} is not 'package.module:name'")
+
+
+@dataclass(frozen=True)
 class Recipe:
     """steps: weights versions to train. colocate: groups of roles that share devices by taking turns,
     through a GPU token ring (e.g. [["training", "inference"]]). share_devices: groups of roles that
@@ -342,7 +388,8 @@ class Recipe:
     next one whenever an engine could not rebuild a delta). hf_every: also keep every n-th version (0:
     none) as an HF directory in the run's hf_versions/, whatever `publish` is (the final weights are
     always kept). extra_columns: columns added to the rollout table for custom roles ([[extra_columns]]
-    name, dtype, shape). topology: the nodes the run spans ([topology]; one by default)."""
+    name, dtype, shape). topology: the nodes the run spans ([topology]; one by default). eval: held-out
+    evaluation ([eval])."""
 
     name: str
     steps: int = 100
@@ -364,9 +411,12 @@ class Recipe:
     topology: TopologySpec = field(default_factory=TopologySpec)
     roles: RolesSpec = field(default_factory=RolesSpec)
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    eval: EvalSpec | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.eval is not None and self.roles.eval is None:  # the role's default place: one CPU process
+            object.__setattr__(self, "roles", dataclasses.replace(self.roles, eval=RoleSpec()))
         if self.steps < 1 or self.checkpoint_every < 0:
             raise SchemaError(f"steps >= 1 and checkpoint_every >= 0, got {self.steps}, {self.checkpoint_every}")
         if self.hf_every < 0:
@@ -389,6 +439,7 @@ class Recipe:
         if self.algorithm.routing_replay:
             self._check_routing_replay()
         self._check_context_length()
+        self._check_eval()
         check_dataflow(self)
         if self.algorithm.overlong_buffer > self.sampling.max_new_tokens:
             raise SchemaError(
@@ -546,6 +597,30 @@ class Recipe:
                 f"({positions}), the positions a prompt and its response share, got {self.sampling.context_length} "
                 "(model.overrides can raise max_position_embeddings)"
             )
+
+    def _check_eval(self) -> None:
+        if self.roles.eval is not None and self.eval is None:
+            raise SchemaError(
+                "[roles.eval]: the eval role evaluates what an [eval] section describes; add one, or remove the role"
+            )
+        if self.eval is None:
+            return
+        if self.multi_turn:
+            raise SchemaError(
+                "eval: held-out evaluation plays single-turn problems; a multi-turn task (task.environment) is not "
+                "evaluated by the eval role yet"
+            )
+        if self.eval_max_new_tokens >= self.sampling.context_length:
+            raise SchemaError(
+                f"eval.max_new_tokens: {self.eval_max_new_tokens} tokens leave no room for a prompt in "
+                f"sampling.context_length ({self.sampling.context_length}); expected fewer"
+            )
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """The eval role's answer budget (eval.max_new_tokens, else sampling.max_new_tokens)."""
+        assert self.eval is not None
+        return self.eval.max_new_tokens or self.sampling.max_new_tokens
 
     def _check_routing_replay(self) -> None:
         arch = self.model.arch()

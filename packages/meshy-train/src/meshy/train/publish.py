@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -351,33 +352,48 @@ class CollectivePublisher:
 
 
 class KeepingPublisher:
-    """Another publisher's versions, every `every`-th one (version 0 included) also kept for good as an HF
-    directory `root/v{v:06d}` in `dtype`, whatever the transport: shared-memory and
-    broadcast versions vanish with the run, and disk keeps only the newest few. A disk version is kept
-    as hard links to the files already written; others are written (every rank calls publish: the
-    gather is a collective)."""
+    """Another publisher's versions, every `every`-th one (version 0 included) and version `last` also kept
+    as an HF directory `root/v{v:06d}` in `dtype`, whatever the transport: shared-memory and broadcast
+    versions vanish with the run, and disk keeps only the newest few. A disk version is kept as hard links
+    to the files already written; others are written (every rank calls publish: the gather is a
+    collective). With a client, each kept version is announced on `stream` (its reader owns the copy)."""
 
     def __init__(
         self,
-        publisher: DirectoryPublisher | SharedMemoryPublisher | CollectivePublisher,
+        publisher: "DirectoryPublisher | SharedMemoryPublisher | CollectivePublisher | KeepingPublisher",
         every: int,
         root: str | Path,
         arch: DecoderArch,
         dtype: str,
+        last: int | None = None,
+        client: DataPlaneClient | None = None,
+        stream: str = WEIGHTS_STREAM,
     ):
         if every < 1:
             raise SchemaError(f"hf_every: expected versions >= 1 between kept versions, got {every}")
         self.publisher = publisher
         self.every = every
+        self.last = last
         self.root = Path(root)
-        self._writer = DirectoryPublisher(self.root, arch, None, dtype=dtype, keep=1 << 62)  # keeps every one
+        self.client = client
+        self.stream = stream
+        self._writer = DirectoryPublisher(self.root, arch, client, dtype=dtype, keep=1 << 62, stream=stream)
+        inner = publisher
+        while isinstance(inner, KeepingPublisher):
+            inner = inner.publisher
+        self._links = isinstance(inner, DirectoryPublisher)  # the same on every rank
 
     def publish(self, model: torch.nn.Module, version: int) -> Published | None:
         published = self.publisher.publish(model, version)
-        if version % self.every == 0:
-            if isinstance(self.publisher, DirectoryPublisher):
-                if published is not None:
-                    shutil.copytree(published.location, self.root / f"v{version:06d}", copy_function=os.link)
-            else:
-                self._writer.publish(model, version)
+        if version % self.every and version != self.last:
+            return published
+        if not self._links:
+            self._writer.publish(model, version)  # written and announced by rank 0
+            return published
+        if published is None:  # not rank 0
+            return published
+        kept = self.root / f"v{version:06d}"
+        shutil.copytree(published.location, kept, copy_function=os.link)
+        if self.client is not None:
+            self.client.append(self.stream, replace(published, location=str(kept)).to_message())
         return published

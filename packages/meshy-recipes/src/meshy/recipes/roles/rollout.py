@@ -22,6 +22,7 @@ from meshy.dataplane import HOST
 from meshy.dataplane import rollout as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.context import RoleContext
+from meshy.recipes.evaluation import WithoutHeldOut, held_out_problems, response_text
 from meshy.recipes.imports import import_object
 from meshy.train.advantages import (
     dapo_overlong_penalty,
@@ -44,6 +45,8 @@ class RolloutRole:
         self.reward_fn: Callable[[str, str], float] = import_object(recipe.task.reward, "task.reward")
         seed = recipe.seed * 1000 + ctx.slot.index
         self.problems: Iterator = import_object(recipe.task.problems, "task.problems")(seed, **recipe.task.options)
+        if recipe.eval is not None:  # never trained on
+            self.problems = WithoutHeldOut(self.problems, held_out_problems(recipe))
         self.rows_written = 0
 
     def run(self) -> None:
@@ -83,7 +86,8 @@ class RolloutRole:
             if latest is None or batch >= latest + ahead:
                 continue
             self._write_batch(batch)
-            ctx.record("batch", batch=batch, latest_version=latest, rows=self.rows_written)
+            held_out = {"held_out_skipped": self.problems.skipped} if isinstance(self.problems, WithoutHeldOut) else {}
+            ctx.record("batch", batch=batch, latest_version=latest, rows=self.rows_written, **held_out)
             batch += 1
 
     def _skip_to(self, version: int) -> int:
@@ -116,16 +120,14 @@ class RolloutRole:
     # ---- rewards ------------------------------------------------------------------------------
     def score(self) -> None:
         client, table = self.ctx.client, self.ctx.table
-        eos, task = self.tokenizer.eos_token_id, cols.REWARD_TASK
+        task = cols.REWARD_TASK
         while not self.ctx.stop.is_set():
             batch = client.lease(table, task.name, list(task.reads), count=256, min_count=1, timeout=0.5)
             if batch is None:
                 continue
             rewards = []
             for response, truth in zip(batch.columns[cols.RESPONSE_IDS], batch.columns[cols.GROUND_TRUTH], strict=True):
-                ids = response.tolist()
-                text = self.tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids)
-                rewards.append(float(self.reward_fn(text, truth)))
+                rewards.append(float(self.reward_fn(response_text(self.tokenizer, response.tolist()), truth)))
             client.add_columns(table, batch.row_ids, {cols.REWARD: torch.tensor(rewards, device=HOST)}, ack=batch)
 
     # ---- advantages ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.colocation import BUILD, DeviceTurns, record_released
 from meshy.recipes.context import RoleContext, announce_stop
+from meshy.recipes.evaluation import EVAL_DIR, EVAL_WEIGHTS, EvalFigures, EvalResults
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
 from meshy.recipes.reference_weights import publish_reference
@@ -43,6 +44,18 @@ class TrainingRole:
         self.publisher = publisher
         if recipe.hf_every:
             publisher = KeepingPublisher(publisher, recipe.hf_every, ctx.run_dir / KEPT, self.arch, dtype)
+        if recipe.eval is not None:  # the versions the eval role evaluates, handed over as HF directories
+            root = ctx.run_dir / EVAL_DIR
+            publisher = KeepingPublisher(
+                publisher,
+                recipe.eval.every,
+                root,
+                self.arch,
+                dtype,
+                last=recipe.steps,
+                client=ctx.client,
+                stream=EVAL_WEIGHTS,
+            )
         config = TrainServiceConfig(
             table=ctx.table,
             groups_per_rank=algo.prompts_per_step // ctx.slot.count,
@@ -75,6 +88,8 @@ class TrainingRole:
                 publish_reference(ctx, self.trainer.model, self.arch, self.service.version)
             self.service.publish_initial()
         progress = Progress(ctx.run_dir, steps, self._metrics()) if self.lead else None
+        results = EvalResults(ctx.client) if self.lead and ctx.recipe.eval is not None else None
+        self._evaluated = {m["version"] for m in self._metrics() if "eval/accuracy" in m}
         ctx.record("train_start", version=self.service.version)
         try:
             while self.service.version < steps:
@@ -86,10 +101,15 @@ class TrainingRole:
                 if progress is not None:
                     progress.step(record)
                     ctx.record("version", version=record["version"], reward_mean=record.get("reward_mean"))
+                if results is not None:
+                    for figures in results.drain():
+                        self._eval_line(progress, figures)
         finally:
             self.service.close()
             turns.close()
         final = self._keep_final_weights()
+        if results is not None:
+            self._final_eval(progress, results)
         if self.lead:
             curve = progress.close()
             announce_stop(ctx.client, f"trained {steps} versions")
@@ -100,6 +120,31 @@ class TrainingRole:
             )
         if dist.is_initialized():
             dist.barrier()
+
+    def _eval_line(self, progress: Progress, figures: EvalFigures) -> None:
+        """An evaluated version's figures in metrics.jsonl, TensorBoard and the progress lines (once: a
+        resumed run may evaluate its restored version again)."""
+        if figures.version in self._evaluated:
+            return
+        self._evaluated.add(figures.version)
+        line = figures.metrics()
+        self.service.metrics.write(line)
+        progress.eval(line)
+
+    def _final_eval(self, progress: Progress, results: EvalResults) -> None:
+        """The final weights' figures, which the eval role computes after the last version: waited for, up
+        to stall_after_s, saying so."""
+        steps, limit = self.ctx.recipe.steps, self.ctx.recipe.stall_after_s
+        print(f"waiting for the eval role's figures of the final weights (v{steps}), up to {limit:.0f} s", flush=True)
+        for figures in results.wait_for(steps, limit):
+            self._eval_line(progress, figures)
+        results.close()
+        if steps not in self._evaluated:
+            print(
+                f"eval: no figures of the final weights (v{steps}) within stall_after_s ({limit:.0f} s); "
+                "metrics.jsonl lacks them, and records/eval-0.jsonl says how far the eval role got",
+                flush=True,
+            )
 
     def _restore(self) -> int:
         """The version to carry on from: the newest checkpoint's (restored into the trainer), or 0 (with
@@ -115,6 +160,7 @@ class TrainingRole:
             version = 0
             load_init(self.trainer.model, self.arch, self.ctx.recipe.model.init)
         if self.lead:
+            shutil.rmtree(self.ctx.run_dir / EVAL_DIR, ignore_errors=True)  # versions the eval role never took
             for directory in (self.ctx.run_dir / "weights", self.ctx.run_dir / KEPT):
                 for stale in directory.glob("v[0-9]*"):
                     if stale.name[1:].isdigit() and int(stale.name[1:]) >= version:
