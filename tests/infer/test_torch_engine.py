@@ -464,6 +464,38 @@ async def test_requests_that_wait_are_admitted_together_once_a_sixteenth_of_the_
     await engine.close()
 
 
+@async_case
+async def test_a_prompt_admitted_several_times_is_prefilled_once_and_each_copy_generates_as_if_alone(
+    weights, monkeypatch
+):
+    """A GRPO group: 4 copies of each of 2 prompts admitted together cost one prefilled row per prompt; each
+    copy's cache and draws are those of a request generated alone with its seed."""
+    prefilled: list[int] = []
+    prefill = DecoderModel.prefill
+
+    def counting(self, sequences, cache, slots):
+        prefilled.append(len(sequences))
+        return prefill(self, sequences, cache, slots)
+
+    monkeypatch.setattr(DecoderModel, "prefill", counting)
+    config, tensors, _ = weights
+    config = {**config, "eos_token_id": None}
+    together = TorchEngine((config, tensors), max_running=8, max_len=MAX_LEN)
+    prompts = [prompt(3)] * 4 + [prompt(5, length=9)] * 4
+    grouped = await asyncio.gather(
+        *(together.generate(f"r{i}", p, SamplingParams(6, seed=i)) for i, p in enumerate(prompts))
+    )
+    assert prefilled == [2]
+    alone = TorchEngine((config, tensors), max_running=1, max_len=MAX_LEN)
+    for i, p in enumerate(prompts):
+        lone = await alone.generate(f"lone{i}", p, SamplingParams(6, seed=i))
+        assert grouped[i].output_ids == lone.output_ids, i
+        assert grouped[i].logprobs == pytest.approx(lone.logprobs, abs=1e-4), i
+    assert len({tuple(g.output_ids) for g in grouped[:4]}) > 1, "each copy draws with its own seed"
+    for engine in (together, alone):
+        await engine.close()
+
+
 def test_the_slots_state_on_the_device_is_what_each_running_request_feeds_and_draws_next(weights):
     """After every step, through admission, finishing, slot reuse, abort, release and onload: each held
     slot's device state is its request's last token at its next position, drawing its next token with

@@ -262,12 +262,27 @@ class _Scheduler:
 
     def _prefill(self, requests: list[_Request]) -> None:
         """Prefill the admitted prompts in one forward and draw each one's first token: for its slot's
-        state, the step that feeds the prompt's last token at its last position."""
+        state, the step that feeds the prompt's last token at its last position. A prompt admitted several
+        times at once (a GRPO group's) is computed once; the others' slots get a copy of its keys and
+        values, and each draws its own first token from the same logits."""
         for r in requests:
             self.slots.hold(r.slot, r.prompt[-1], len(r.prompt) - 1, r.seed, 0, _settings(r))
         self.slots.flush()
-        prompts = [torch.tensor(r.prompt, device=self.device) for r in requests]
-        logits, routing = self.model.prefill(prompts, self.cache, [r.slot for r in requests])
+        computed: list[_Request] = []  # the first request of each distinct prompt, whose prefill is computed
+        rows: dict[tuple[int, ...], int] = {}  # a prompt's row among them
+        row_of = []  # each request's
+        for request in requests:
+            row_of.append(rows.setdefault(tuple(request.prompt), len(computed)))
+            if row_of[-1] == len(computed):
+                computed.append(request)
+        prompts = [torch.tensor(r.prompt, device=self.device) for r in computed]
+        logits, routing = self.model.prefill(prompts, self.cache, [r.slot for r in computed])
+        if len(computed) < len(requests):
+            copies = [(computed[row], r) for r, row in zip(requests, row_of, strict=True) if computed[row] is not r]
+            width = max(len(r.prompt) for r in computed)
+            self.cache.copy_slots([source.slot for source, _ in copies], [r.slot for _, r in copies], width)
+            index = torch.tensor(row_of, device=HOST).to(self.device, non_blocking=True)
+            logits, routing = logits[index], None if routing is None else routing[index]
         for request in requests:
             request.cached = len(request.prompt)
         slots = torch.tensor([r.slot for r in requests], device=HOST).to(self.device, non_blocking=True)

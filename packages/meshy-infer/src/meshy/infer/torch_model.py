@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshy.dataplane import SchemaError
+from meshy.dataplane import HOST, SchemaError
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.hf_directory import check_tensor_shapes
 
@@ -122,6 +122,14 @@ class KVCache:
     def shape(config: ModelConfig, slots: int, max_len: int) -> tuple[int, int, int, int]:
         """One layer's keys (or values)."""
         return (slots, config.num_key_value_heads, max_len, config.head_dim)
+
+    def copy_slots(self, sources: Sequence[int], targets: Sequence[int], width: int) -> None:
+        """The first `width` positions of each source slot's keys and values into its target slot."""
+        device = self.keys[0].device
+        source = torch.tensor(list(sources), device=HOST).to(device, non_blocking=True)
+        target = torch.tensor(list(targets), device=HOST).to(device, non_blocking=True)
+        for cache in (*self.keys, *self.values):
+            cache[target, :, :width] = cache[source, :, :width]
 
     @classmethod
     def nbytes(cls, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype) -> int:
