@@ -44,6 +44,8 @@ def test_the_dataset_s_verifier_scores_the_whole_response_or_its_answer_tag():
     assert rgt.score(f" {answer}\n", problem.answer) == 1.0
     assert rgt.score(f"The answer is {answer}", problem.answer) == pytest.approx(len(answer) / (14 + len(answer)))
     assert rgt.score("no number here", problem.answer) == 0.0
+    assert rgt.score_exact(f" {answer}\n", problem.answer) == 1.0
+    assert rgt.score_exact(f"The answer is {answer}", problem.answer) == 0.0, "full marks or nothing"
     assert rgt.score_tagged(f"think first <answer> {answer} </answer>", problem.answer) == 1.0
     assert rgt.score_tagged(f"{answer}", problem.answer) == 0.0  # no tag, no answer
 

@@ -12,7 +12,8 @@ and `size`, which Meshy sets). Each problem's ground truth carries the dataset's
 dataset's own `score_answer` scores the response: `score` passes the whole response (stripped), and
 `score_tagged` what the response puts inside its last `<answer>...</answer>` (reasoning-gym's own
 convention for models that reason first). Most datasets give 1.0 for an exact answer and
-len(answer) / len(response) when the answer only appears inside a longer response.
+len(answer) / len(response) when the answer only appears inside a longer response; `score_exact` keeps
+full marks only (a short numeric answer appears by chance inside many wrong responses).
 
 Item i of seed s is reasoning-gym's item i of a dataset seeded with s, so streams of nearby seeds
 overlap; a held-out set is kept apart by the problems it holds (meshy.recipes.eval), not by its seed.
@@ -93,6 +94,13 @@ def _stream(dataset: Any, opts: ReasoningGymOptions) -> Iterator[Problem]:
 def score(response: str, ground_truth: str) -> float:
     """The dataset's own score of the whole response (stripped)."""
     return _score(response.strip(), ground_truth)
+
+
+def score_exact(response: str, ground_truth: str) -> float:
+    """1.0 when the dataset's own verifier gives the whole response (stripped) full marks, else 0.0: no
+    partial credit for an answer found inside a longer response, which a policy can earn by writing digits
+    that happen to be the answer's (restating the question's numbers, say)."""
+    return float(_score(response.strip(), ground_truth) >= 1.0)
 
 
 def score_tagged(response: str, ground_truth: str) -> float:
