@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from meshy.dataplane import HOST
+from meshy.train.shared_prompts import SharedPrompts
 
 
 def pack_rows(prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> tuple[torch.Tensor, list[slice]]:
@@ -27,17 +28,23 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
     return model(tokens[:, :-1]).float()
 
 
-def response_logits(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def response_logits(
+    model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, packed: SharedPrompts | None = None
+) -> torch.Tensor:
     """Float32 logits [N, V] at the N `positions` ([B, T-1] bool) of forward_logits' [B, T-1, V], computed
     only there: the vocabulary-wide output projection, and every per-token op after it, skip the prompt's
     and the padding's positions (most of a batch's positions when responses are short). The decoder
-    returns its final hidden states (torchtitan's `_skip_lm_head`, as its chunked loss uses it)."""
+    returns its final hidden states (torchtitan's `_skip_lm_head`, as its chunked loss uses it). With
+    `packed`, the decoder runs on the rows packed by shared prompt instead (meshy.train.shared_prompts)."""
     model._skip_lm_head = True
     try:
-        hidden = model(tokens[:, :-1])
+        if packed is None:
+            hidden = model(tokens[:, :-1])[positions]
+        else:
+            hidden = model(packed.tokens, packed.positions, packed.attention).flatten(0, 1)[packed.index[positions]]
     finally:
         model._skip_lm_head = False
-    return model.lm_head(hidden[positions]).float()
+    return model.lm_head(hidden).float()
 
 
 def spread(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from meshy.dataplane.weights import Published
 from meshy.train import checkpoint
 from meshy.train.logprobs import pack_rows
 from meshy.train.routing_replay import FREE, routing_shape
+from meshy.train.shared_prompts import pack_shared_prompts
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
 
 
@@ -365,8 +366,11 @@ class TrainingService:
 
     def _pad(self, rows: list[dict]) -> PolicyBatch:
         rows = rows or [self._placeholder_row()]
-        tokens, spans = pack_rows([r["prompt"] for r in rows], [r["response"] for r in rows])
+        prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
+        tokens, spans = pack_rows(prompts, responses)
         b, t = tokens.shape[0], tokens.shape[1] - 1
+        # a group's rows share their prompt: computed once (routing, when replayed, is given row by row)
+        packed = pack_shared_prompts(prompts, responses, t + 1) if self.routing is None else None
         mask, adv, rollout = (torch.zeros(b, t, device=HOST) for _ in range(3))
         extra = self._optional_empty(b, t)
         for i, (r, span) in enumerate(zip(rows, spans, strict=True)):
@@ -386,6 +390,7 @@ class TrainingService:
             mask.to(to),
             adv.to(to),
             rollout_logprobs=rollout.to(to),
+            packed=packed.to(to) if packed is not None else None,
             **{k: v.to(to) for k, v in extra.items()},
         )
 

@@ -6,9 +6,11 @@ Qwen3's without q_norm/k_norm. QKV projections stay separate (torchtitan's fused
 distributed state dicts). Attention is causal SDPA over right-padded batches, which runs on CPU and GPU alike.
 """
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch.nn as nn
+import torch.nn.functional as F
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import (
@@ -27,6 +29,25 @@ from meshy.train.models import DecoderArch
 from meshy.train.routing_replay import replay_router_config
 
 _NORMAL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+
+
+class MaskedAttention(ScaledDotProductAttention):
+    """torchtitan's causal SDPA, or, given a boolean mask [B, 1, L, L] as `attention_masks` (True: the query
+    may attend to the key), SDPA under that mask: sequences whose rows share a prompt packed into one
+    (meshy.train.shared_prompts)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+        if attention_masks is None:
+            return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa, **kwargs)
+        q, k, v = (x.transpose(1, 2) for x in (q_BLNH, k_BLNH, v_BLNH))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
 _ONES = {"weight": nn.init.ones_}
 
 
@@ -43,7 +64,7 @@ def titan_config(arch: DecoderArch) -> Qwen3Model.Config:
             head_dim=head_dim,
             wqkv_param_init=_NORMAL,
             wo_param_init=_NORMAL,
-            inner_attention=ScaledDotProductAttention.Config(),
+            inner_attention=MaskedAttention.Config(),
             rope=rope,
             fuse_qkv=False,
             qk_norm=_norm(arch, head_dim) if arch.qk_norm else None,

@@ -32,6 +32,7 @@ from meshy.train.losses import (
     topk_forward_kl,
 )
 from meshy.train.routing_replay import replay_routing
+from meshy.train.shared_prompts import SharedPrompts
 
 
 @dataclass
@@ -49,6 +50,8 @@ class PolicyBatch:
     # [B, T-1, layers, top_k] int64: the experts position t (input token t) uses in each MoE layer, -1
     # where the router chooses freely (meshy.train.routing_replay); None: no replay.
     routed_experts: torch.Tensor | None = None
+    # The rows packed by shared prompt for the forward (meshy.train.shared_prompts); None: row by row.
+    packed: SharedPrompts | None = None
 
 
 def reduce_over_ranks(value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -112,7 +115,7 @@ class PolicyTrainer:
         several steps), 0 at positions outside its mask."""
         positions = batch.mask.bool()
         with replay_routing(self.model, batch.routed_experts):
-            logits = response_logits(self.model, batch.tokens, positions)
+            logits = response_logits(self.model, batch.tokens, positions, batch.packed)
         labels = batch.tokens[:, 1:][positions]
         return spread(picked_logprobs(full_log_probs(logits, self.loss.temperature), labels), positions)
 
@@ -140,7 +143,7 @@ class PolicyTrainer:
         # Logits only where a token is trained ([N, V] for the N positions of the mask), spread back to
         # [B, T-1] per-token tensors (0 elsewhere), which the losses mask.
         positions = batch.mask.bool()
-        logits = response_logits(self.model, batch.tokens, positions)
+        logits = response_logits(self.model, batch.tokens, positions, batch.packed)
         if cfg.temperature != 1.0:
             logits = logits / cfg.temperature
         log_probs = full_log_probs(logits)
@@ -243,6 +246,11 @@ class PolicyTrainer:
             value = getattr(batch, name)
             if value is not None and tuple(value.shape) != (b, t - 1):
                 raise SchemaError(f"PolicyBatch.{name}: expected shape {(b, t - 1)}, got {tuple(value.shape)}")
+        if batch.packed is not None and (batch.routed_experts is not None or batch.packed.index.shape != (b, t - 1)):
+            raise SchemaError(
+                f"PolicyBatch.packed: expected an index of shape {(b, t - 1)} and no routed_experts (routing is "
+                f"replayed row by row), got {tuple(batch.packed.index.shape)}"
+            )
         routed = batch.routed_experts
         if routed is not None and tuple(routed.shape[:2]) != (b, t - 1):
             raise SchemaError(
