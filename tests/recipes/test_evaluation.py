@@ -52,9 +52,17 @@ def test_a_bad_eval_section_is_refused_naming_the_field(tmp_path, tail, needle):
 def test_the_held_out_set_is_the_eval_stream_s_first_problems_and_training_never_sees_one(tmp_path):
     recipe = recipe_from(tmp_path, WIDE + "\n[eval]\ncount = 30\n")
     held_out = held_out_problems(recipe)
-    assert held_out == list(itertools.islice(problems(EVAL_SEED, max_operand=9, ops="+"), 30))
+    first: dict[str, Problem] = {}
+    for problem in problems(EVAL_SEED, max_operand=9, ops="+"):
+        first.setdefault(problem.prompt, problem)
+        if len(first) == 30:
+            break
+    assert held_out == list(first.values()), "the first 30 distinct problems"
     prompts = {p.prompt for p in held_out}
-    assert len(prompts) > 20  # a few repeat: 100 problems in all
+    assert len(prompts) == 30
+    too_many = recipe_from(tmp_path, WIDE + "\n[eval]\ncount = 101\n")
+    with pytest.raises(SchemaError, match="held only 100 distinct prompts, short of 101; expected a smaller count"):
+        held_out_problems(too_many)
     stream = WithoutHeldOut(problems(0, max_operand=9, ops="+"), held_out)
     training = list(itertools.islice(stream, 2000))
     assert not prompts & {p.prompt for p in training}

@@ -1,7 +1,7 @@
 """Held-out evaluation ([eval]): the held-out set, how training hands versions to the eval role, and how
 the eval role's figures come back to training, which writes them beside its own in metrics.jsonl.
 
-- The held-out set is the first eval.count problems of the eval problem stream; rollout's problem stream
+- The held-out set is the first eval.count distinct problems of the eval problem stream; rollout's problem stream
   skips every problem whose prompt is among them (`WithoutHeldOut`), so none is ever trained on.
 - Training keeps each evaluated version (0, every eval.every-th, the last) as an HF directory under
   `RUN_DIR/eval/` and announces it on the EVAL_WEIGHTS stream (a KeepingPublisher); the eval role loads
@@ -24,20 +24,27 @@ from meshy.recipes.tasks.arithmetic import Problem
 EVAL_WEIGHTS = "eval-weights"  # training -> eval role: the versions to evaluate (Published messages)
 EVAL_RESULTS = "eval"  # eval role -> training: each evaluated version's figures
 EVAL_DIR = "eval"  # under the run directory: the versions waiting to be evaluated
+MAX_DRAWS_PER_PROBLEM = 100  # the held-out set's draws, per distinct problem it needs, before giving up
 MAX_SKIPPED_IN_A_ROW = 10_000  # rollout problems in a row that are all held out: the task has no others
 
 
 def held_out_problems(recipe: Recipe) -> list[Problem]:
-    """The held-out set: the first eval.count problems of the eval problem stream."""
+    """The held-out set: the first eval.count distinct problems (by prompt) of the eval problem stream."""
     spec = recipe.eval
     assert spec is not None
     path = spec.problems or recipe.task.problems
     options = recipe.task.options if spec.options is None else spec.options
     stream = import_object(path, "eval.problems" if spec.problems else "task.problems")(spec.seed, **options)
-    problems = list(itertools.islice(stream, spec.count))
-    if len(problems) < spec.count:
-        raise SchemaError(f"eval.count: the eval problem stream ended after {len(problems)} problems of {spec.count}")
-    return problems
+    problems: dict[str, Problem] = {}
+    draws = MAX_DRAWS_PER_PROBLEM * spec.count
+    for problem in itertools.islice(stream, draws):
+        problems.setdefault(problem.prompt, problem)
+        if len(problems) == spec.count:
+            return list(problems.values())
+    raise SchemaError(
+        f"eval.count: the eval problem stream's first {draws} problems (or all it had) held only "
+        f"{len(problems)} distinct prompts, short of {spec.count}; expected a smaller count"
+    )
 
 
 class WithoutHeldOut:

@@ -340,9 +340,9 @@ class SamplingSpec:
 @dataclass(frozen=True)
 class EvalSpec:
     """Held-out evaluation, run by the eval role on published weights while training goes on: version 0,
-    every `every`-th version and the last. The held-out set is the first `count` problems of `problems`
-    (default: task.problems, with `options`, default task.options) seeded with `seed` (default: the same
-    set whatever the run's seed); rollout never writes a problem whose prompt is among them. Each gets
+    every `every`-th version and the last. The held-out set is the first `count` distinct problems of
+    `problems` (default: task.problems, with `options`, default task.options) seeded with `seed` (default:
+    the same set whatever the run's seed); rollout never writes a problem whose prompt is among them. Each gets
     `samples` answers at `temperature` (0: greedy, one answer), of at most `max_new_tokens` tokens (0:
     sampling.max_new_tokens), scored by task.reward; an answer is correct when it gets full marks
     (reward >= 1). metrics.jsonl gets eval/accuracy (correct answers), eval/pass@k (problems with a correct
