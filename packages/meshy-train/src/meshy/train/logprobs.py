@@ -14,13 +14,21 @@ from meshy.train.shared_prompts import SharedPrompts
 def pack_rows(prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> tuple[torch.Tensor, list[slice]]:
     """Right-padded prompt + response tokens [B, T] (T >= 2), and for each row the span of positions
     whose labels are its response tokens."""
-    length = max(2, *(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)))
-    tokens = torch.zeros(len(prompts), length, dtype=torch.int64, device=HOST)
-    spans = []
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        tokens[i, : len(p)], tokens[i, len(p) : len(p) + len(r)] = p, r
-        spans.append(slice(len(p) - 1, len(p) - 1 + len(r)))
-    return tokens, spans
+    rows = [torch.cat((p.to(HOST), r.to(HOST))) for p, r in zip(prompts, responses, strict=True)]
+    tokens = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    if tokens.shape[1] < 2:
+        tokens = F.pad(tokens, (0, 2 - tokens.shape[1]))
+    return tokens, [slice(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(prompts, responses, strict=True)]
+
+
+def response_positions(prompt_lengths: list[int], response_lengths: list[int], width: int) -> torch.Tensor:
+    """Where each response token's predicting position lies in a [B, width] batch of pack_rows'
+    positions flattened to [B * width], every row's in order (row b's at b * width + its span)."""
+    lengths = torch.tensor(response_lengths, dtype=torch.int64, device=HOST)
+    firsts = torch.arange(len(lengths), device=HOST) * width + torch.tensor(prompt_lengths, device=HOST) - 1
+    starts = torch.cumsum(lengths, 0) - lengths  # each row's first token among all of them
+    within = torch.arange(int(lengths.sum()), device=HOST) - torch.repeat_interleave(starts, lengths)
+    return torch.repeat_interleave(firsts, lengths) + within
 
 
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

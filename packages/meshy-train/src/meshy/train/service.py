@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from meshy.dataplane import rollout as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weights import Published
 from meshy.train import checkpoint
-from meshy.train.logprobs import pack_rows
+from meshy.train.logprobs import pack_rows, response_positions
 from meshy.train.routing_replay import FREE, routing_shape
 from meshy.train.shared_prompts import pack_shared_prompts
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
@@ -133,6 +134,30 @@ def _sum_over_ranks(counts: dict[str, float]) -> dict[str, float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return dict(zip(counts, t.tolist(), strict=True))
+
+
+def _rows_not_finite(values: list[torch.Tensor], lengths: list[int]) -> list[bool]:
+    """Per row: whether any of its values (a float column, one tensor per row) is not finite."""
+    finite = torch.isfinite(torch.cat([v.flatten(1) if v.ndim > 1 else v[:, None] for v in values]).to(HOST)).all(1)
+    if finite.all():
+        return [False] * len(values)
+    bad = set(_row_of_each(lengths)[~finite].tolist())
+    return [b in bad for b in range(len(values))]
+
+
+def _rows_any(masks: list[torch.Tensor]) -> list[bool]:
+    """Per row: whether its boolean mask has any True."""
+    if not masks:
+        return []
+    counts = torch.zeros(len(masks), dtype=torch.int64, device=HOST)
+    counts.index_add_(0, _row_of_each([len(m) for m in masks]), torch.cat(masks).to(HOST).long())
+    return (counts > 0).tolist()
+
+
+def _row_of_each(lengths: list[int]) -> torch.Tensor:
+    """The row of each element of the rows' values concatenated (row b has lengths[b] of them)."""
+    rows = torch.arange(len(lengths), device=HOST)
+    return torch.repeat_interleave(rows, torch.tensor(lengths, dtype=torch.int64, device=HOST))
 
 
 class TrainingService:
@@ -296,55 +321,86 @@ class TrainingService:
         """Validated rows with their trainable-token mask; dropped rows with reasons; staleness counts.
 
         Rows come in row-id order, not in the order their groups became ready: the loss sums over rows
-        in this order, and float sums depend on it, so the same rows must give the same step run to run."""
-        rows, dropped, staleness = [], [], Counter()
+        in this order, and float sums depend on it, so the same rows must give the same step run to run.
+        Each check covers every row at once (a column's values concatenated); a row is dropped for the
+        first of them it fails, in the order they are written here."""
         if batch is None:
-            return rows, dropped, staleness
+            return [], [], Counter()
         c = batch.columns
-        for i, row_id in sorted(enumerate(batch.row_ids), key=lambda item: item[1]):
-            response = c[cols.RESPONSE_IDS][i]
-            n = len(response)
-            per_token = {k: c[k][i] for k in (cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.ADVANTAGE)}
-            if self.config.distill:
-                per_token.update({k: c[k][i] for k in (cols.TEACHER_TOPK_IDS, cols.TEACHER_TOPK_LOGPROBS)})
-            if self.config.kl_to_reference:
-                per_token[cols.REF_LOGPROBS] = c[cols.REF_LOGPROBS][i]
-            if self.routing is not None:
-                per_token[cols.ROUTED_EXPERTS] = c[cols.ROUTED_EXPERTS][i]
-            if self.config.policy_mask:
-                per_token[cols.POLICY_MASK] = c[cols.POLICY_MASK][i]
-            reason = None
-            if n == 0:
-                reason = "empty response"
-            elif len(per_token[cols.ADVANTAGE]) == 0:
-                reason = "no advantage: rollout skipped it (dynamic sampling: its group's rewards are all equal)"
-            for name, value in per_token.items():
-                if reason is None and len(value) != n:
-                    reason = f"column {name} has {len(value)} entries for {n} response tokens"
-                elif reason is None and value.is_floating_point() and not torch.isfinite(value).all():
-                    reason = f"column {name} is not finite"
-            if reason is None and self.routing is not None:
-                reason = self._routing_problem(per_token[cols.ROUTED_EXPERTS])
-            policy = per_token.pop(cols.POLICY_MASK, torch.ones(n, dtype=torch.bool, device=HOST))
-            if reason is None and not policy.any():
-                reason = "no policy token: the response is observations only"
-            if reason is not None:
-                dropped.append({"row": row_id, "reason": reason})
-                continue
-            age = self.version - per_token[cols.TOKEN_VERSIONS]
-            staleness.update(age[policy].tolist())
-            keep = policy
-            if self.config.max_staleness is not None:
-                keep = policy & (age <= self.config.max_staleness)
-                if not keep.any():
-                    dropped.append(
-                        {"row": row_id, "reason": f"every token older than max_staleness={self.config.max_staleness}"}
-                    )
-                    continue
-            rows.append(
-                {"row": row_id, "prompt": c[cols.PROMPT_IDS][i], "response": response, "keep": keep, **per_token}
+        order = sorted(range(len(batch.row_ids)), key=lambda i: batch.row_ids[i])
+        row_ids = [batch.row_ids[i] for i in order]
+        responses = [c[cols.RESPONSE_IDS][i] for i in order]
+        n = [len(r) for r in responses]
+        per_token = {name: [c[name][i] for i in order] for name in self._per_token_columns()}
+        reasons: list[str | None] = [None] * len(order)
+
+        def reject(bad: Sequence[bool], reason: str | Callable[[int], str]) -> None:
+            for b, is_bad in enumerate(bad):
+                if is_bad and reasons[b] is None:
+                    reasons[b] = reason(b) if callable(reason) else reason
+
+        reject([m == 0 for m in n], "empty response")
+        no_advantage = "no advantage: rollout skipped it (dynamic sampling: its group's rewards are all equal)"
+        reject([len(a) == 0 for a in per_token[cols.ADVANTAGE]], no_advantage)
+        for name, values in per_token.items():
+            lengths = [len(v) for v in values]
+            reject(
+                [k != m for k, m in zip(lengths, n, strict=True)],
+                lambda b, name=name, lengths=lengths: (
+                    f"column {name} has {lengths[b]} entries for {n[b]} response tokens"
+                ),
             )
+            if values[0].is_floating_point():  # a column's dtype is the table's: the same in every row
+                reject(_rows_not_finite(values, lengths), f"column {name} is not finite")
+        if self.routing is not None:
+            routed = per_token[cols.ROUTED_EXPERTS]
+            problems = [
+                self._routing_problem(r) if reason is None else None for r, reason in zip(routed, reasons, strict=True)
+            ]
+            reject([p is not None for p in problems], lambda b: problems[b])
+        policy = per_token.pop(cols.POLICY_MASK, None)
+        valid = [b for b, reason in enumerate(reasons) if reason is None]
+        policies = [
+            policy[b].to(HOST) if policy is not None else torch.ones(n[b], dtype=torch.bool, device=HOST) for b in valid
+        ]
+        for b, any_policy in zip(valid, _rows_any(policies), strict=True):
+            if not any_policy:
+                reasons[b] = "no policy token: the response is observations only"
+        policies = [p for b, p in zip(valid, policies, strict=True) if reasons[b] is None]
+        valid = [b for b in valid if reasons[b] is None]
+        staleness: Counter = Counter()
+        keeps: list[torch.Tensor] = []
+        if valid:
+            policy_tokens = torch.cat(policies)
+            age = self.version - torch.cat([per_token[cols.TOKEN_VERSIONS][b] for b in valid])
+            staleness.update(age[policy_tokens].tolist())
+            keep = policy_tokens
+            if self.config.max_staleness is not None:
+                keep = policy_tokens & (age <= self.config.max_staleness)
+            keeps = list(keep.split([n[b] for b in valid]))
+            for b, any_kept in zip(valid, _rows_any(keeps), strict=True):
+                if not any_kept:
+                    reasons[b] = f"every token older than max_staleness={self.config.max_staleness}"
+        kept = dict(zip(valid, keeps, strict=True))
+        rows, dropped = [], []
+        for b, row_id in enumerate(row_ids):
+            if reasons[b] is not None:
+                dropped.append({"row": row_id, "reason": reasons[b]})
+                continue
+            values = {name: per_token[name][b] for name in per_token}
+            prompt = c[cols.PROMPT_IDS][order[b]]
+            rows.append({"row": row_id, "prompt": prompt, "response": responses[b], "keep": kept[b], **values})
         return rows, dropped, staleness
+
+    def _per_token_columns(self) -> list[str]:
+        """The columns with a value per response token that this service leases, in the order rows are
+        checked by."""
+        names = [cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.ADVANTAGE]
+        names += [cols.TEACHER_TOPK_IDS, cols.TEACHER_TOPK_LOGPROBS] if self.config.distill else []
+        names += [cols.REF_LOGPROBS] if self.config.kl_to_reference else []
+        names += [cols.ROUTED_EXPERTS] if self.routing is not None else []
+        names += [cols.POLICY_MASK] if self.config.policy_mask else []
+        return names
 
     def _routing_problem(self, routed: torch.Tensor) -> str | None:
         """Why a row's routed_experts cannot be replayed in this model, or None."""
@@ -367,23 +423,20 @@ class TrainingService:
     def _pad(self, rows: list[dict]) -> PolicyBatch:
         rows = rows or [self._placeholder_row()]
         prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
-        tokens, spans = pack_rows(prompts, responses)
+        tokens = pack_rows(prompts, responses)[0]
         b, t = tokens.shape[0], tokens.shape[1] - 1
         # a group's rows share their prompt: computed once (routing, when replayed, is given row by row)
         packed = pack_shared_prompts(prompts, responses, t + 1) if self.routing is None else None
+        at = response_positions([len(p) for p in prompts], [len(r) for r in responses], t)
         mask, adv, rollout = (torch.zeros(b, t, device=HOST) for _ in range(3))
         extra = self._optional_empty(b, t)
-        for i, (r, span) in enumerate(zip(rows, spans, strict=True)):
-            mask[i, span] = r["keep"].float()
-            adv[i, span] = r[cols.ADVANTAGE]
-            rollout[i, span] = r[cols.ROLLOUT_LOGPROBS]
-            if self.config.distill:
-                extra["teacher_topk_ids"][i, span] = r[cols.TEACHER_TOPK_IDS]
-                extra["teacher_topk_logprobs"][i, span] = r[cols.TEACHER_TOPK_LOGPROBS]
-            if self.config.kl_to_reference:
-                extra["ref_logprobs"][i, span] = r[cols.REF_LOGPROBS]
-            if self.routing is not None:
-                extra["routed_experts"][i, span] = r[cols.ROUTED_EXPERTS].long()
+        columns = [(mask, "keep"), (adv, cols.ADVANTAGE), (rollout, cols.ROLLOUT_LOGPROBS)]
+        columns += [(extra["teacher_topk_ids"], cols.TEACHER_TOPK_IDS)] if self.config.distill else []
+        columns += [(extra["teacher_topk_logprobs"], cols.TEACHER_TOPK_LOGPROBS)] if self.config.distill else []
+        columns += [(extra["ref_logprobs"], cols.REF_LOGPROBS)] if self.config.kl_to_reference else []
+        columns += [(extra["routed_experts"], cols.ROUTED_EXPERTS)] if self.routing is not None else []
+        for padded, name in columns:  # every row's values at once, where its response's positions are
+            padded.view(b * t, *padded.shape[2:])[at] = torch.cat([r[name] for r in rows]).to(padded.dtype)
         to = self.device
         return PolicyBatch(
             tokens.to(to),

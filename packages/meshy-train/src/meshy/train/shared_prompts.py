@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshy.dataplane import HOST
+
 MAX_PACKED_TOKENS = 2048  # the longest packed sequence: its mask is L x L booleans
 MIN_SAVING = 0.25  # pack only when it saves at least this share of the forward's tokens
 
@@ -40,36 +42,44 @@ def pack_shared_prompts(
     prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], width: int
 ) -> SharedPrompts | None:
     """The rows (prompt + response each, laid out by pack_rows in a [B, width] batch) packed by prompt, or
-    None where that would not save MIN_SAVING of the tokens or would pass MAX_PACKED_TOKENS."""
+    None where that would not save MIN_SAVING of the tokens or would pass MAX_PACKED_TOKENS. Built in
+    Python lists and turned into tensors once: a version's rows are hundreds of short sequences."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for b, prompt in enumerate(prompts):
         groups.setdefault(tuple(prompt.tolist()), []).append(b)
-    lengths = [len(p) + sum(max(len(responses[b]) - 1, 0) for b in rows) for p, rows in groups.items()]
+    ends = [len(r) - 1 for r in responses]  # a response's inputs: all but its last token
+    lengths = [len(p) + sum(max(ends[b], 0) for b in rows) for p, rows in groups.items()]
     unpacked = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     if max(lengths) > MAX_PACKED_TOKENS or sum(lengths) > (1 - MIN_SAVING) * unpacked:
         return None
-    device = prompts[0].device
-    g, length = len(groups), max(lengths)
-    tokens = torch.zeros(g, length, dtype=torch.int64, device=device)
-    positions = torch.zeros(g, length, dtype=torch.int64, device=device)
-    segment = torch.full((g, length), -1, dtype=torch.int64, device=device)  # -1: the prompt
-    index = torch.zeros(len(prompts), width - 1, dtype=torch.int64, device=device)
-    for i, (prompt, rows) in enumerate(groups.items()):
+    length = max(lengths)
+    tokens, positions, segments = [], [], []
+    index_rows, index_columns, index_values = [], [], []
+    for g, (prompt, rows) in enumerate(groups.items()):
         p = len(prompt)
-        tokens[i, :p] = prompts[rows[0]]
-        positions[i, :p] = torch.arange(p, device=device)
-        start = p
+        sequence, position, segment = list(prompt), list(range(p)), [-1] * p  # -1: the prompt
         for b in rows:
-            r = len(responses[b])
-            inputs = responses[b][: r - 1]
-            end = start + len(inputs)
-            tokens[i, start:end] = inputs
-            positions[i, start:end] = torch.arange(p, p + len(inputs), device=device)
-            segment[i, start:end] = b
-            index[b, p - 1] = i * length + p - 1  # the prompt's last position predicts the first token
-            index[b, p : p - 1 + r] = i * length + torch.arange(start, end, device=device)
-            start = end
-        segment[i, start:] = -2 - torch.arange(length - start, device=device)  # padding: itself only
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+            inputs = responses[b].tolist()[:-1]
+            start = len(sequence)
+            sequence += inputs
+            position += range(p, p + len(inputs))
+            segment += [b] * len(inputs)
+            # the prompt's last position predicts the first response token, input k the one after it
+            index_rows += [b] * (len(inputs) + 1)
+            index_columns += range(p - 1, p + len(inputs))
+            index_values += [g * length + p - 1, *range(g * length + start, g * length + start + len(inputs))]
+        padding = length - len(sequence)
+        tokens.append(sequence + [0] * padding)
+        positions.append(position + [0] * padding)
+        segments.append(segment + [-2 - k for k in range(padding)])  # padding: itself only
+    index = torch.zeros(len(prompts), width - 1, dtype=torch.int64, device=HOST)
+    index[index_rows, index_columns] = torch.tensor(index_values, dtype=torch.int64, device=HOST)
+    segment = torch.tensor(segments, dtype=torch.int64, device=HOST)
+    causal = torch.ones(length, length, dtype=torch.bool, device=HOST).tril()
     same = (segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == -1)
-    return SharedPrompts(tokens, positions, (same & causal)[:, None], index)
+    return SharedPrompts(
+        torch.tensor(tokens, dtype=torch.int64, device=HOST),
+        torch.tensor(positions, dtype=torch.int64, device=HOST),
+        (same & causal)[:, None],
+        index,
+    )
