@@ -243,7 +243,7 @@ class AlgorithmSpec:
     distill: teacher_topk ids per token; set loss.distill_coef (and pg_coef 0 for pure distillation).
     dynamic_sampling: rows of a group whose rewards are all equal are not trained (counted as dropped).
     tied_group_penalty (grpo): the advantage of a group whose rewards are all equal and below the best
-    reward of the groups scored with it (the rollout scores up to 64 rows at once, as they are ready) is
+    reward of the groups scored with it (the rollout scores up to 256 rows at once, as they are ready) is
     -tied_group_penalty, not 0: its policy keeps giving one wrong answer, and the push reopens sampling there
     (meshy.train.advantages.push_tied_groups). 0 is GRPO. Which groups are scored together depends on timing,
     so a lock-step run with it need not replay exactly.

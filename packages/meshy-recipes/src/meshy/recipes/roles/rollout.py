@@ -35,6 +35,7 @@ from meshy.train.advantages import (
 )
 
 FREE_BATCHES = 8  # how far ahead a fully asynchronous rollout may run
+LEASE_ROWS = 256  # rows scored, or given advantages, at once (as many as are ready, up to this)
 
 
 class RolloutRole:
@@ -122,7 +123,7 @@ class RolloutRole:
         client, table = self.ctx.client, self.ctx.table
         task = cols.REWARD_TASK
         while not self.ctx.stop.is_set():
-            batch = client.lease(table, task.name, list(task.reads), count=256, min_count=1, timeout=0.5)
+            batch = client.lease(table, task.name, list(task.reads), count=LEASE_ROWS, min_count=1, timeout=0.5)
             if batch is None:
                 continue
             rewards = []
@@ -200,7 +201,7 @@ class RolloutRole:
         critic = self.ctx.recipe.algorithm.kind == "ppo"
         task = cols.advantage_with(values=critic, policy_mask=critic and self.ctx.recipe.multi_turn)
         return self.ctx.client.lease(
-            self.ctx.table, task.name, list(task.reads), count=64, min_count=1, whole_groups=True, timeout=0.5
+            self.ctx.table, task.name, list(task.reads), count=LEASE_ROWS, min_count=1, whole_groups=True, timeout=0.5
         )
 
     def _overlong_penalty(self, responses: list[torch.Tensor]) -> torch.Tensor:
