@@ -16,7 +16,7 @@ len(answer) / len(response) when the answer only appears inside a longer respons
 full marks only (a short numeric answer appears by chance inside many wrong responses).
 
 Item i of seed s is reasoning-gym's item i of a dataset seeded with s, so streams of nearby seeds
-overlap; a held-out set is kept apart by the problems it holds (meshy.recipes.eval), not by its seed.
+overlap; a held-out set is kept apart by the problems it holds (meshy.recipes.evaluation), not by its seed.
 """
 
 import functools
