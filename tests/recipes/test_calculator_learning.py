@@ -29,11 +29,13 @@ TARGET = 0.6
 TIMEOUT_S = 2700
 
 
-def rewards_of(run_dirs: list[Path]) -> list[float]:
+def metrics_of(tmp_path: Path) -> list[dict]:
+    """The run's metrics lines written so far (none before its directory exists; a line being written is left
+    out)."""
+    run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
     if not run_dirs or not (run_dirs[0] / "metrics.jsonl").exists():
         return []
-    lines = (run_dirs[0] / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["reward_mean"] for line in lines if line.endswith("}")]
+    return [json.loads(line) for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
 def first_reached(rewards: list[float]) -> int | None:
@@ -52,7 +54,7 @@ def test_the_calculator_recipe_learns_to_call_the_tool_and_answer_exactly(tmp_pa
     try:
         while process.poll() is None and time.monotonic() < deadline:
             time.sleep(5)
-            if first_reached(rewards_of([p for p in tmp_path.iterdir() if p.is_dir()])) is not None:
+            if first_reached([m["reward_mean"] for m in metrics_of(tmp_path)]) is not None:
                 process.send_signal(signal.SIGTERM)  # learned: the rest of the 1,200 versions is not asserted
                 break
         process.wait(timeout=120)
@@ -62,7 +64,8 @@ def test_the_calculator_recipe_learns_to_call_the_tool_and_answer_exactly(tmp_pa
         log.close()
     output = (tmp_path / "meshy.log").read_text()
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    rewards = rewards_of([run_dir])
+    metrics = metrics_of(tmp_path)
+    rewards = [m["reward_mean"] for m in metrics]
     assert len(rewards) >= WINDOW, output[-5000:]
     assert sum(rewards[:WINDOW]) / WINDOW < 0.05, "starts from chance"
     reached = first_reached(rewards)
@@ -71,7 +74,6 @@ def test_the_calculator_recipe_learns_to_call_the_tool_and_answer_exactly(tmp_pa
         f"a {WINDOW}-version mean reward of {TARGET} is reached in {len(rewards)} versions; the best was "
         f"{max(means):.3f}\n{output[-3000:]}"
     )
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
     rows = {row for m in metrics[reached : reached + WINDOW] for row in m["row_ids"]}
     played = [r for r in records(run_dir, "environment-0") if r["kind"] == "trajectory" and r["row"] in rows]
     assert len(played) == len(rows)
