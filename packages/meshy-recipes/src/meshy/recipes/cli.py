@@ -2,12 +2,17 @@
 
 import argparse
 import gc
+import os
 import sys
 
 from meshy.dataplane import SchemaError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A recipe names task code by import path, which the run's ranks (`python -m`) resolve from the working
+    # directory first: every command resolves it the same way, so `meshy check` sees what `meshy run` runs.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = argparse.ArgumentParser(prog="meshy", description="Meshy: asynchronous RL for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a recipe (default: the embedded CPU demo) with one torchrun")
