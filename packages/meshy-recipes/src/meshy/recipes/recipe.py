@@ -46,17 +46,20 @@ def _check_placement(spec: "RoleSpec | CustomRoleSpec") -> None:
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """processes: how many ranks run the role. devices_per_process: GPUs each uses (0: CPU).
-    memory_fraction: the share of each of its GPUs the role may allocate (None: all of it); needed when
-    roles share GPUs at the same time (Recipe.share_devices). node: the node its first process runs on
-    (None: where the role before it ended; meshy.recipes.topology). threads: CPU threads of each
-    process's tensor ops (0: every core of the host for a role on the CPU, one for a role on GPUs)."""
+    """Where a built-in role runs ([roles.<name>]): how many processes, on which devices and node."""
 
     processes: int = 1
+    """How many ranks (processes) run the role."""
     devices_per_process: int = 0
+    """GPUs each process uses (0: the CPU)."""
     memory_fraction: float | None = None
+    """The share, in (0, 1], of each of its GPUs the role may allocate (None: all of it); needed when roles share
+    GPUs at the same time (share_devices)."""
     node: int | None = None
+    """The node its first process runs on (None: where the role before it ended; meshy.recipes.topology)."""
     threads: int = 0
+    """CPU threads of each process's tensor ops (0: every core of the host for a role on the CPU, one for a role on
+    GPUs)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -65,25 +68,36 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class CustomRoleSpec:
-    """A role the framework does not know: `cls` is an import path "package.module:Class", built as
-    `cls(ctx, **options)`. task: the data-plane task under which the role leases and acks rows, if it
-    consumes them; the table then keeps every row until that task has acked it too, and the class also
-    gets `task=...`. Without it, rows are freed once training is done with them, scored or not.
-    reads/writes: the columns the task leases rows by and the [[extra_columns]] it adds, so the recipe
-    is refused if a column it reads has no writer (meshy.recipes.dataflow). The placement fields are
-    RoleSpec's."""
+    """A role the framework does not know ([[roles.custom]]), built as `cls(ctx, **options)`. The placement
+    fields (processes, devices_per_process, memory_fraction, node, threads) are RoleSpec's."""
 
     name: str
+    """The role's name: an identifier other than a built-in role's."""
     cls: str
+    """The role's class, as an import path "package.module:Class"."""
     processes: int = 1
+    """How many ranks (processes) run the role."""
     devices_per_process: int = 0
+    """GPUs each process uses (0: the CPU)."""
     memory_fraction: float | None = None
+    """The share, in (0, 1], of each of its GPUs the role may allocate (None: all of it); needed when roles share
+    GPUs at the same time (share_devices)."""
     node: int | None = None
+    """The node its first process runs on (None: where the role before it ended; meshy.recipes.topology)."""
     threads: int = 0
+    """CPU threads of each process's tensor ops (0: every core of the host for a role on the CPU, one for a role on
+    GPUs)."""
     options: dict = field(default_factory=dict)
+    """Keyword arguments the class is built with, after ctx."""
     task: str = ""
+    """The data-plane task under which the role leases and acks rows, if it consumes them; the table then keeps
+    every row until that task has acked it too, and the class also gets `task=...` (set it here, not in options).
+    Without it, rows are freed once training is done with them, scored or not."""
     reads: tuple[str, ...] = ()
+    """The columns the task leases rows by, so the recipe is refused if a column it reads has no writer
+    (meshy.recipes.dataflow); needs task."""
     writes: tuple[str, ...] = ()
+    """The [[extra_columns]] the role adds (it writes only those); needs task."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -107,20 +121,30 @@ class CustomRoleSpec:
 
 @dataclass(frozen=True)
 class RolesSpec:
-    """The run's roles. environment: plays multi-turn trajectories (task.environment). critic: PPO's
-    learned values. teacher: online policy distillation's top-k. reference: the frozen initial policy,
-    scoring every response for KL to it (algorithm.loss.kl_coef). eval: evaluates held-out problems
-    ([eval]; one process on the CPU unless this section places it)."""
+    """The run's roles ([roles.<name>] sections, each a RoleSpec). The optional ones run only when their section
+    is there."""
 
     training: RoleSpec = field(default_factory=RoleSpec)
+    """The policy trainer; its rank 0 hosts the data plane (and runs on node 0)."""
     inference: RoleSpec = field(default_factory=RoleSpec)
+    """The engines (sampling.engine) that generate responses."""
     rollout: RoleSpec = field(default_factory=RoleSpec)
+    """Writes prompts (task.problems), paced by weights versions; scores responses and computes advantages."""
     environment: RoleSpec | None = None
+    """Plays multi-turn trajectories (task.environment); a multi-turn task needs it, and only such a task may
+    have it."""
     critic: RoleSpec | None = None
+    """PPO's learned values; algorithm.kind = "ppo" needs it."""
     teacher: RoleSpec | None = None
+    """Online policy distillation's top-k (algorithm.teacher_topk); algorithm.kind = "distill" needs it."""
     reference: RoleSpec | None = None
+    """The frozen initial policy, scoring every response for KL to it; present exactly when algorithm.loss.kl_coef
+    > 0."""
     eval: RoleSpec | None = None
+    """Evaluates held-out problems ([eval], which it needs; one process on the CPU unless this section places
+    it)."""
     custom: tuple[CustomRoleSpec, ...] = ()
+    """Roles the framework does not know ([[roles.custom]])."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -133,14 +157,16 @@ class RolesSpec:
 
 @dataclass(frozen=True)
 class TopologySpec:
-    """The machines a run spans: `nodes` of `gpus_per_node` GPUs each (None: what a node has; a multi-node
-    recipe with GPU roles names it, so its layout is fixed before any node starts). addresses: each
-    node's address, which its data-plane servers bind and advertise (empty: the address of the interface
-    that routes to the rendezvous host)."""
+    """The machines a run spans ([topology]; one node by default)."""
 
     nodes: int = 1
+    """How many nodes the run spans."""
     gpus_per_node: int | None = None
+    """GPUs on each node (None: what a node has); a multi-node recipe with GPU roles names it, so its layout is
+    fixed before any node starts."""
     addresses: tuple[str, ...] = ()
+    """Each node's IP address (one per node), which its data-plane servers bind and advertise (empty: the address
+    of the interface that routes to the rendezvous host)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -157,17 +183,20 @@ class TopologySpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """name: a meshy.train model. init: "scratch", or the weights the first version starts from: an HF
-    directory, "hf:<owner/name>" or "gguf:<name>" (meshy.recipes.pretrained). overrides: architecture fields
-    to change (e.g. vocab_size for a task tokenizer). teacher: the teacher's weights, named as init's
-    (distillation). dtype: what the model computes in, everywhere: training (mixed precision over
-    float32 weights and optimizer state), the published weights, the inference and teacher engines."""
+    """The policy model ([model]): its architecture, the weights it starts from and what it computes in."""
 
     name: str = "qwen3-tiny"
+    """A meshy.train model (meshy.train.models), e.g. "qwen3-0.6b", "smollm2-135m"."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """What the model computes in, everywhere: training (mixed precision over float32 weights and optimizer
+    state), the published weights, the inference and teacher engines."""
     init: str = "scratch"
+    """"scratch", or the weights the first version starts from: an HF directory, "hf:<owner/name>" or
+    "gguf:<name>" (meshy.recipes.pretrained)."""
     overrides: dict = field(default_factory=dict)
+    """Architecture fields to change (e.g. vocab_size for a task tokenizer)."""
     teacher: str | None = None
+    """The teacher's weights, named as init's (distillation: algorithm.kind = "distill" needs it)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -184,19 +213,25 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """Import paths of the tokenizer factory (called with tokenizer_options), the problem stream (called
-    with seed and options; problems have .prompt and .answer) and the reward function (response text,
-    ground truth -> float). environment: a multi-turn task's environment factory, called with
-    tool_timeout_s (the recipe's [agent]) and environment_options for a fresh environment; its
-    trajectories are rewarded by the environment, and `reward` is not used."""
+    """What the run learns ([task]): the tokenizer, the problems and their reward, as import paths
+    "package.module:name"."""
 
     tokenizer: str = "meshy.recipes.tasks.arithmetic:tokenizer"
+    """The tokenizer factory, called with tokenizer_options."""
     problems: str = "meshy.recipes.tasks.arithmetic:problems"
+    """The problem stream, called with a seed and options; problems have .prompt and .answer."""
     reward: str = "meshy.recipes.tasks.arithmetic:exact_match"
+    """The reward function: (response text, ground truth) -> float."""
     options: dict = field(default_factory=dict)
+    """Keyword arguments of the problem stream."""
     tokenizer_options: dict = field(default_factory=dict)
+    """Keyword arguments of the tokenizer factory."""
     environment: str = ""
+    """A multi-turn task's environment factory, called with tool_timeout_s (the recipe's [agent]) and
+    environment_options for a fresh environment; its trajectories are rewarded by the environment, and `reward`
+    is not used. Empty: single-turn."""
     environment_options: dict = field(default_factory=dict)
+    """Keyword arguments of the environment factory."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -207,17 +242,23 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class AgentSpec:
-    """Multi-turn trajectories (task.environment): the chat template that renders the conversation and
-    its tool results, and the limits: max_turns policy turns, max_tokens policy and observation tokens
-    after the prompt, tool_timeout_s per tool call, deadline_s per trajectory (wall clock). A turn
-    generates at most sampling.max_new_tokens of them."""
+    """Multi-turn trajectories ([agent]; task.environment): the chat template that renders the conversation and
+    its tool results, and the limits of a trajectory. A turn generates at most sampling.max_new_tokens tokens."""
 
     template: str = "qwen3"
+    """The chat template: "qwen3", "minicpm5", "smollm2" or "plain" (meshy.recipes.tasks.chat_templates; qwen3
+    and smollm2 render tools)."""
     enable_thinking: bool | None = None
+    """The template's thinking switch: False closes Qwen3's think block in the generation prompt, True opens
+    MiniCPM5's, None lets the model decide (SmolLM2 has no thinking mode: None only)."""
     max_turns: int = 4
+    """Policy turns per trajectory (1 to 1000)."""
     max_tokens: int = 256
+    """Policy and observation tokens per trajectory after the prompt (fewer than sampling.context_length)."""
     tool_timeout_s: float = 5.0
+    """Seconds per tool call (finite, > 0)."""
     deadline_s: float = 120.0
+    """Seconds per trajectory (wall clock, > 0)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -233,51 +274,67 @@ class AgentSpec:
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """kind: grpo (group baselines), ppo (a learned critic; needs a critic role) or distill (online
-    policy distillation; needs a teacher role). pacing: the window W of rollout ahead of training: 1 is
-    on-policy lock-step, k bounded off-policy, "none" fully asynchronous. prompts_per_step: groups per
-    weights version, over all training ranks. minibatches: optimizer steps per pass over a version's rows;
-    epochs: passes (PPO epochs), each step clipped against the logprobs the version started from.
-    ppo: initial_value (the value head's bias, the mean reward), value_clip, gae_k (per-sample GAE
-    lambda = gae_k ** (1 / length)), critic_optim, critic_warmup_versions.
-    distill: teacher_topk ids per token; set loss.distill_coef (and pg_coef 0 for pure distillation).
-    dynamic_sampling: rows of a group whose rewards are all equal are not trained (counted as dropped).
-    tied_group_penalty (grpo): the advantage of a group whose rewards are all equal and below the best
-    reward of the groups scored with it (the rollout scores up to 256 rows at once, as they are ready) is
-    -tied_group_penalty, not 0: its policy keeps giving one wrong answer, and the push reopens sampling there
-    (meshy.train.advantages.push_tied_groups). 0 is GRPO. Which groups are scored together depends on timing,
-    so a lock-step run with it need not replay exactly.
-    overlong_buffer: DAPO soft overlong penalty over the last overlong_buffer tokens of max_new_tokens,
-    falling to -overlong_factor (GRPO: added to the reward; PPO: to the advantages after GAE, tail
-    only, so the critic never learns it). 0 turns it off. loss.kl_coef: KL to the frozen initial policy
-    (the weights of version 0), scored by a [roles.reference] section that the KL term needs.
-    routing_replay: a mixture-of-experts model's
-    trainer routes each response token to the experts the inference engine chose for it (the engine
-    records them in the routed_experts column), so routing differences do not reach the importance
-    ratio; needs an MoE model (either engine records them: TorchEngine always, SGLang when asked)."""
+    """How the policy learns ([algorithm]): the algorithm, its batches and pacing, and the training components'
+    configs. Fields marked GRPO, PPO or distill apply to that kind only."""
 
     kind: Literal["grpo", "ppo", "distill"] = "grpo"
+    """grpo (group baselines), ppo (a learned critic; needs a critic role) or distill (online policy
+    distillation; needs a teacher role and model.teacher)."""
     group_size: int = 8
+    """Rows (responses) sampled per prompt: one group."""
     prompts_per_step: int = 16
+    """Groups per weights version, over all training ranks (split evenly over the training processes)."""
     pacing: int | str = 1
+    """The window W of rollout ahead of training: 1 is on-policy lock-step, k bounded off-policy (rollout runs
+    k - 1 versions ahead), "none" fully asynchronous."""
     max_staleness: int | None = None
+    """Newest version minus a token's version beyond which the token is not trained (a row whose every token is
+    older is dropped; older tokens inside a fresher row are masked out). None (left out): no limit."""
     minibatches: int = 1
+    """Optimizer steps per pass over a version's rows (split evenly)."""
     epochs: int = 1
+    """Passes over a version's rows (PPO epochs), each step clipped against the logprobs the version started
+    from."""
     scale_by_std: bool = True
+    """GRPO: a group's advantages (rewards minus the group mean) are divided by the group's reward std."""
     dynamic_sampling: bool = False
+    """Rows of a group whose rewards are all equal are not trained (counted as dropped)."""
     tied_group_penalty: float = 0.0
+    """GRPO: the advantage of a group whose rewards are all equal and below the best reward of the groups scored
+    with it (the rollout scores up to 256 rows at once, as they are ready) is -tied_group_penalty, not 0: its
+    policy keeps giving one wrong answer, and the push reopens sampling there
+    (meshy.train.advantages.push_tied_groups). 0 is GRPO; not with dynamic_sampling. Which groups are scored
+    together depends on timing, so a lock-step run with it need not replay exactly."""
     overlong_buffer: int = 0
+    """DAPO soft overlong penalty over the last overlong_buffer tokens of max_new_tokens (at most
+    sampling.max_new_tokens), falling to -overlong_factor (GRPO: added to the reward; PPO: to the advantages after
+    GAE, tail only, so the critic never learns it). 0 turns it off."""
     overlong_factor: float = 1.0
+    """The overlong penalty at max_new_tokens (finite, >= 0)."""
     critic_warmup_versions: int = 0
+    """PPO: the first versions only the critic learns: their rows are dropped ("critic warm-up") and the unchanged
+    weights are published again."""
     initial_value: float = 0.5
+    """PPO: the value head's bias at start, the mean reward."""
     value_clip: float = 0.2
+    """PPO: the clipped value loss's range, values within value_clip of the old ones (> 0)."""
     gae_k: float = 0.5
+    """PPO: per-sample GAE lambda = gae_k ** (1 / length), 0 < gae_k <= 1."""
     teacher_topk: int = 8
+    """Distill: teacher top-k ids per token; set loss.distill_coef (and pg_coef 0 for pure distillation)."""
     routing_replay: bool = False
+    """A mixture-of-experts model's trainer routes each response token to the experts the inference engine chose
+    for it (the engine records them in the routed_experts column), so routing differences do not reach the
+    importance ratio; needs an MoE model (either engine records them: TorchEngine always, SGLang when asked)."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """Which loss parts a policy step uses ([algorithm.loss]). loss.kl_coef: KL to the frozen initial policy (the
+    weights of version 0), scored by a [roles.reference] section that the KL term needs."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The policy's optimizer ([algorithm.optim])."""
     critic_optim: OptimConfig = field(default_factory=OptimConfig)
+    """PPO: the critic's optimizer ([algorithm.critic_optim])."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the training (and critic) processes split the model ([algorithm.parallel])."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -319,14 +376,26 @@ class AlgorithmSpec:
 
 @dataclass(frozen=True)
 class SamplingSpec:
+    """How responses are generated ([sampling]): the engine and its sampling parameters."""
+
     max_new_tokens: int = 4
+    """The most tokens a response (a turn, in a multi-turn run) generates."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling's probability mass, in (0, 1] (1: off)."""
     top_k: int = 0
+    """Sample among the k likeliest tokens (0: off)."""
     max_in_flight: int = 64
+    """Requests an engine generates at once."""
     context_length: int = 512
+    """Prompt + response tokens of a request (> max_new_tokens, at most the model's max_position_embeddings); a
+    longer prompt is an error row, and max_new_tokens shrinks to fit."""
     engine: Literal["torch", "sglang"] = "torch"
-    compile: bool = False  # the torch engine's decode and sampler through torch.compile (SGLang compiles its own)
+    """The engine of the inference, teacher and reference roles: "torch" (meshy.infer's TorchEngine) or "sglang"
+    (SGLang, imported only when named)."""
+    compile: bool = False
+    """The torch engine's decode and sampler through torch.compile (SGLang compiles its own)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -339,23 +408,29 @@ class SamplingSpec:
 
 @dataclass(frozen=True)
 class EvalSpec:
-    """Held-out evaluation, run by the eval role on published weights while training goes on: version 0,
-    every `every`-th version and the last. The held-out set is the first `count` distinct problems of
-    `problems` (default: task.problems, with `options`, default task.options) seeded with `seed` (default:
-    the same set whatever the run's seed); rollout never writes a problem whose prompt is among them. Each gets
-    `samples` answers at `temperature` (0: greedy, one answer), of at most `max_new_tokens` tokens (0:
-    sampling.max_new_tokens), scored by task.reward; an answer is correct when it gets full marks
-    (reward >= 1). metrics.jsonl gets eval/accuracy (correct answers), eval/pass@k (problems with a correct
-    answer among their k, when samples = k > 1) and eval/reward per evaluated version."""
+    """Held-out evaluation ([eval]), run by the eval role on published weights while training goes on: version 0,
+    every `every`-th version and the last. Rollout never writes a problem whose prompt is among the held-out set.
+    Answers are scored by task.reward; an answer is correct when it gets full marks (reward >= 1). metrics.jsonl
+    gets eval/accuracy (correct answers), eval/pass@k (problems with a correct answer among their k, when
+    samples = k > 1) and eval/reward per evaluated version."""
 
     every: int = 10
+    """Versions between evaluations (version 0 and the last are evaluated too)."""
     count: int = 128
+    """The held-out set: the first `count` distinct problems (by prompt) of `problems`; refused when the stream
+    holds fewer."""
     seed: int = EVAL_SEED
+    """The held-out stream's seed (default: the same set whatever the run's seed)."""
     problems: str = ""
+    """The held-out problem stream, as an import path "package.module:name" (empty: task.problems)."""
     options: dict | None = None
+    """Its keyword arguments (None: task.options)."""
     samples: int = 1
+    """Answers per problem (more than one needs temperature > 0)."""
     temperature: float = 0.0
+    """Sampling temperature of the answers (0: greedy, one answer)."""
     max_new_tokens: int = 0
+    """The most tokens an answer generates (0: sampling.max_new_tokens)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -376,42 +451,58 @@ class EvalSpec:
 
 @dataclass(frozen=True)
 class Recipe:
-    """steps: weights versions to train. colocate: groups of roles that share devices by taking turns,
-    through a GPU token ring (e.g. [["training", "inference"]]). share_devices: groups of roles that
-    share devices at the same time, each within its `memory_fraction` of every GPU (their fractions
-    add up to at most 1). stall_after_s: a run in which no rows move and no version is published for
-    this long prints what every task waits for and stops (meshy.recipes.watchdog). publish: how
-    weights reach inference: "disk" (HF directories), "shared-memory" (buckets on this host) or
-    "collective" (buckets broadcast from training rank 0 to every inference process on a process group
-    of their own, which SGLang engines' schedulers join themselves: meshy.recipes.weight_sync). delta:
-    with "collective", send only what changed since the previous version (a whole one every 10th, and the
-    next one whenever an engine could not rebuild a delta). hf_every: also keep every n-th version (0:
-    none) as an HF directory in the run's hf_versions/, whatever `publish` is (the final weights are
-    always kept). extra_columns: columns added to the rollout table for custom roles ([[extra_columns]]
-    name, dtype, shape). topology: the nodes the run spans ([topology]; one by default). eval: held-out
-    evaluation ([eval])."""
+    """A whole run: the TOML file's top-level keys and its sections."""
 
     name: str
+    """The run's name: its directory is run_dir/<name>-<timestamp>."""
     steps: int = 100
+    """Weights versions to train."""
     seed: int = 0
+    """The run's seed: the model's initialisation, and the seeds of rollout's problem streams and of sampling
+    (one per process, derived from it)."""
     run_dir: str = "runs"
+    """The directory in which run directories are made."""
     checkpoint_every: int = 0
+    """Versions between checkpoints in the run directory's checkpoints/ (0: never)."""
     stall_after_s: float = 300.0
+    """A run in which no rows move and no version is published for this long prints what every task waits for
+    and stops (meshy.recipes.watchdog)."""
     publish: Literal["disk", "shared-memory", "collective"] = "disk"
+    """How weights reach inference: "disk" (HF directories), "shared-memory" (buckets on this host) or
+    "collective" (buckets broadcast from training rank 0 to every inference process on a process group of their
+    own, which SGLang engines' schedulers join themselves: meshy.recipes.weight_sync)."""
     delta: bool = False
+    """With publish = "collective", send only what changed since the previous version (a whole one every 10th,
+    and the next one whenever an engine could not rebuild a delta)."""
     hf_every: int = 0
+    """Also keep every n-th version (0: none) as an HF directory in the run's hf_versions/, whatever `publish` is
+    (the final weights are always kept)."""
     colocate: tuple[tuple[str, ...], ...] = ()
+    """Groups of roles that share devices by taking turns, through a GPU token ring (e.g.
+    [["training", "inference"]]); each needs >= 2 roles with equal process counts."""
     share_devices: tuple[tuple[str, ...], ...] = ()
+    """Groups of roles that share devices at the same time, each within its `memory_fraction` of every GPU (their
+    fractions add up to at most 1)."""
     extra_columns: tuple[Column, ...] = ()
+    """Columns added to the rollout table for custom roles ([[extra_columns]] name, dtype, shape)."""
     model: ModelSpec = field(default_factory=ModelSpec)
+    """The policy model ([model])."""
     task: TaskSpec = field(default_factory=TaskSpec)
+    """What the run learns ([task])."""
     algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
+    """How the policy learns ([algorithm])."""
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    """How responses are generated ([sampling])."""
     agent: AgentSpec = field(default_factory=AgentSpec)
+    """Multi-turn trajectories' template and limits ([agent])."""
     topology: TopologySpec = field(default_factory=TopologySpec)
+    """The nodes the run spans ([topology]; one by default)."""
     roles: RolesSpec = field(default_factory=RolesSpec)
+    """Where each role runs ([roles.<name>])."""
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    """The data plane's servers and waits ([dataplane])."""
     eval: EvalSpec | None = None
+    """Held-out evaluation ([eval]; none by default)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
