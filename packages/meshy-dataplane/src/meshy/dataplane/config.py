@@ -10,34 +10,32 @@ from meshy.dataplane.fields import check_fields
 
 @dataclass(frozen=True)
 class DataPlaneConfig:
-    """How the data-plane servers run and how long clients wait for them.
-
-    host: address the servers bind and advertise (never every interface). Loopback unless a multi-node
-        run binds each node's own address.
-    num_storage_units: TransferQueue storage-unit processes per host; rows are spread over them.
-    encrypt: CURVE-encrypt every connection. None means: only when host is not loopback; off loopback
-        it is always on (False is refused there: PLAIN would send the run's password in the clear).
-    rpc_timeout_s: longest wait for one server reply before the server is declared unavailable. A
-        server whose process ends is noticed at once (its connection closes); this bound is for one
-        that hangs or whose host vanished, and is generous because a loaded host can stall a healthy
-        server for seconds (a 5 s bound killed every role of a run beside a CI job).
-    wait_slice_s: long waits (lease, stream read, token) are cut into slices of this length, so a hung
-        controller is noticed within wait_slice_s + rpc_timeout_s.
-    start_timeout_s: longest wait for the servers to come up.
-    lease_s: default lease length; rows not acked within it return to their task's pool.
-    stream_retain: most messages a control stream keeps; older ones are reclaimed even if unread.
-    alloc_block: storage keys a client reserves per controller round trip.
-    """
+    """How the data-plane servers run and how long clients wait for them."""
 
     host: str = "127.0.0.1"
+    """Address the servers bind and advertise (never every interface). Loopback unless a multi-node run binds each
+    node's own address."""
     num_storage_units: int = 1
+    """TransferQueue storage-unit processes per host; rows are spread over them."""
     encrypt: bool | None = None
+    """CURVE-encrypt every connection. None means: only when host is not loopback; off loopback it is always on
+    (False is refused there: PLAIN would send the run's password in the clear)."""
     rpc_timeout_s: float = 30.0
+    """Longest wait for one server reply before the server is declared unavailable. A server whose process ends is
+    noticed at once (its connection closes); this bound is for one that hangs or whose host vanished, and is
+    generous because a loaded host can stall a healthy server for seconds (a 5 s bound killed every role of a run
+    beside a CI job)."""
     wait_slice_s: float = 1.0
+    """Long waits (lease, stream read, token) are cut into slices of this length, so a hung controller is noticed
+    within wait_slice_s + rpc_timeout_s."""
     start_timeout_s: float = 180.0
+    """Longest wait for the servers to come up."""
     lease_s: float = 60.0
+    """Default lease length; rows not acked within it return to their task's pool."""
     stream_retain: int = 1024
+    """Most messages a control stream keeps; older ones are reclaimed even if unread."""
     alloc_block: int = 256
+    """Storage keys a client reserves per controller round trip."""
 
     def __post_init__(self) -> None:
         check_fields(self)

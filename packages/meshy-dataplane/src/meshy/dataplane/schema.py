@@ -28,16 +28,16 @@ DEFAULT_MAX_ROW_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Column:
-    """One column of a table.
-
-    shape is the shape of one row's value: () for a scalar, (4096,) for a fixed vector. A leading None
-    makes the column ragged: (None,) is a variable-length sequence, (None, 8) a variable number of
-    8-vectors. dtype "str" holds one Python string per row (shape must be ()).
-    """
+    """One column of a table."""
 
     name: str
+    """The column's name (not empty)."""
     dtype: str
+    """One of bool, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64, or "str": one Python
+    string per row (shape must be ())."""
     shape: tuple[int | None, ...] = ()
+    """The shape of one row's value: () for a scalar, (4096,) for a fixed vector. A leading None makes the column
+    ragged: (None,) is a variable-length sequence, (None, 8) a variable number of 8-vectors."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -11,18 +11,25 @@ from meshy.dataplane.fields import check_fields
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the training role splits its model. dp_shard=-1 takes every rank left after the others. Every
-    training rank trains rows of its own, on whole sequences and whole logits: FSDP (dp_shard,
-    dp_replicate) and expert parallelism (ep) split the model that way; tensor and context parallelism
-    (tp, cp) would need ranks that share rows and split their logits or sequences, and are refused."""
+    """How the training role splits its model. Every training rank trains rows of its own, on whole sequences and
+    whole logits: FSDP (dp_shard, dp_replicate) and expert parallelism (ep) split the model that way; tensor and
+    context parallelism (tp, cp) would need ranks that share rows and split their logits or sequences, and are
+    refused."""
 
     dp_shard: int = -1
+    """FSDP sharding degree (-1: every rank left after the others)."""
     dp_replicate: int = 1
+    """Data-parallel replication degree (>= 1)."""
     tp: int = 1
+    """Tensor parallelism: 1 only."""
     ep: int = 1
+    """Expert-parallel degree, for a mixture-of-experts model (>= 1)."""
     cp: int = 1
+    """Context parallelism: 1 only."""
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    """torchtitan's activation checkpointing: "none", "selective" or "full"."""
     compile: bool = False
+    """The model through torch.compile (torchtitan's)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -41,12 +48,20 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """AdamW, with its linear learning-rate warm-up."""
+
     lr: float = 1e-6
+    """Learning rate (finite, > 0)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas, each in [0, 1)."""
     eps: float = 1e-8
+    """AdamW's eps (finite, >= 0)."""
     weight_decay: float = 0.0
+    """AdamW's weight decay (finite, >= 0)."""
     max_grad_norm: float = 1.0
+    """Gradients are clipped to this total norm (> 0)."""
     warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly to lr (0: none)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -62,32 +77,39 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Which loss parts a policy step uses.
-
-    pg_coef: token-level policy gradient with asymmetric PPO clip [1 - clip_low, 1 + clip_high].
-    dual_clip: 0 (off) or c > 1: a negative advantage's token loss is capped at -A * c (dual-clip PPO), so a
-        token whose ratio ran away cannot dominate a step.
-    tis: truncated importance sampling against the rollout engine's logprobs ("truncate" clamps the
-        per-token ratio to [tis_low, tis_high]; "mask" is IcePop: tokens outside get weight 0).
-    kl_coef: k3 KL to a reference policy (needs ref_logprobs). entropy_coef: entropy bonus.
-    distill_coef: forward KL to a teacher's top-k (online policy distillation).
-    entropy_metric_tokens: how many trained tokens per rank the entropy metric samples (0: all); the
-        entropy bonus, when entropy_coef is set, always uses every token.
-    """
+    """Which loss parts a policy step uses, and their settings."""
 
     pg_coef: float = 1.0
+    """Token-level policy gradient with asymmetric PPO clip [1 - clip_low, 1 + clip_high] (pg_coef and distill_coef
+    are not both 0)."""
     clip_low: float = 0.2
+    """The clip range below 1 (0 <= clip_low < 1)."""
     clip_high: float = 0.28
+    """The clip range above 1 (>= 0)."""
     dual_clip: float = 0.0
+    """0 (off) or c > 1: a negative advantage's token loss is capped at -A * c (dual-clip PPO), so a token whose
+    ratio ran away cannot dominate a step."""
     aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    """How token losses become one: "token_mean" over the trained tokens of all data-parallel ranks,
+    "sequence_mean" over their sequences (each sequence's mean over its trained tokens)."""
     tis: Literal["none", "truncate", "mask"] = "truncate"
+    """Truncated importance sampling against the rollout engine's logprobs ("truncate" clamps the per-token ratio
+    to [tis_low, tis_high]; "mask" is IcePop: tokens outside get weight 0; "none": off)."""
     tis_low: float = 0.5
+    """The importance ratio's lower bound (0 < tis_low <= 1)."""
     tis_high: float = 5.0
+    """The importance ratio's upper bound (>= 1)."""
     kl_coef: float = 0.0
+    """k3 KL to a reference policy (needs ref_logprobs)."""
     entropy_coef: float = 0.0
+    """Entropy bonus."""
     distill_coef: float = 0.0
+    """Forward KL to a teacher's top-k (online policy distillation)."""
     temperature: float = 1.0
+    """The policy's logits are divided by it before their logprobs (finite, > 0)."""
     entropy_metric_tokens: int = 1024
+    """How many trained tokens per rank the entropy metric samples (0: all); the entropy bonus, when entropy_coef
+    is set, always uses every token."""
 
     def __post_init__(self) -> None:
         check_fields(self)
