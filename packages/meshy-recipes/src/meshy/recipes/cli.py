@@ -7,6 +7,27 @@ import sys
 
 from meshy.dataplane import SchemaError
 
+RUN_HELP = """\
+where runs go:
+  Each run gets a directory RUN_DIR: runs/<name>-<stamp>/ by default (the
+  recipe's run_dir, runs/ under the working directory, then its name and start
+  time). It holds the recipe as run (recipe.toml), metrics.jsonl,
+  reward_curve.png, tensorboard/, logs/, checkpoints/ and final_weights/ (an
+  HF directory; `meshy sample RUN_DIR PROMPT` answers with it).
+
+changing the recipe without editing it:
+  meshy run --set steps=200 --set seed=1
+  meshy run smollm2-135m-arithmetic-cpu --set algorithm.optim.lr=1e-5
+  --set FIELD=VALUE (repeatable): VALUE is a TOML value (200, 1e-4, true,
+  "none", [1, 2]; a bare word is a string), typed and checked as the file's
+  own, and recorded in RUN_DIR/recipe.toml.
+
+resuming:
+  meshy run --resume RUN_DIR
+  carries a stopped run on from its newest checkpoint (every
+  checkpoint_every versions), with the recipe it started with (--set included).
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     # A recipe names task code by import path, which the run's ranks (`python -m`) resolve from the working
@@ -15,9 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     parser = argparse.ArgumentParser(prog="meshy", description="Meshy: asynchronous RL for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a recipe (default: the embedded CPU demo) with one torchrun")
+    run = commands.add_parser(
+        "run",
+        help="run a recipe (default: the embedded CPU demo) with one torchrun",
+        epilog=RUN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("recipe", nargs="?", help="a recipe TOML file or a shipped recipe's name (default: the default)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
+    add_set(run)
     run.add_argument("--nnodes", type=int, help="nodes the run spans (the recipe's topology.nodes)")
     run.add_argument("--node-rank", type=int, help="this node's rank, 0 to nnodes - 1 (node 0 hosts the rendezvous)")
     run.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port, on every node")
@@ -29,11 +56,29 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("recipe", help="a recipe TOML file or a shipped recipe's name")
     check.add_argument("--gpus-per-node", type=int, help="place roles on this many GPUs (default: what it needs)")
     check.add_argument("--nnodes", type=int, help="the nodes the recipe is laid out for (topology.nodes)")
+    add_set(check)
     demo = commands.add_parser("demo", help="run the data-plane demo (rollout, inference, two trainer ranks)")
     demo.add_argument("--steps", type=int, default=5, help="weight versions to train (default 5)")
     code = command(parser.parse_args(argv))
     gc.freeze()  # the process ends here: no final collection over torch's heap at exit (~1 s of CPU)
     return code
+
+
+def add_set(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="FIELD=VALUE",
+        help="change a recipe field (repeatable): --set steps=200 --set algorithm.optim.lr=1e-4",
+    )
+
+
+def overrides(args: argparse.Namespace) -> list:
+    from meshy.recipes.overrides import parse_override
+
+    return [parse_override(text) for text in args.overrides]
 
 
 def command(args: argparse.Namespace) -> int:
@@ -49,6 +94,7 @@ def command(args: argparse.Namespace) -> int:
                 node_rank=args.node_rank,
                 rdzv_endpoint=args.rdzv_endpoint,
                 secret_file=args.secret_file,
+                overrides=overrides(args),
             )
         if args.command == "recipes":
             from meshy.recipes.catalog import listing
@@ -59,7 +105,7 @@ def command(args: argparse.Namespace) -> int:
             from meshy.recipes.catalog import check_imports, check_nodes, resolve, topology
             from meshy.recipes.recipe import load_recipe
 
-            recipe = load_recipe(resolve(args.recipe))
+            recipe = load_recipe(resolve(args.recipe), overrides(args))
             check_nodes(recipe, args.nnodes)
             check_imports(recipe)
             print(topology(recipe, args.gpus_per_node))

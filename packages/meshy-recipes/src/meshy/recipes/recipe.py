@@ -11,6 +11,7 @@ import math
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from meshy.dataplane.fields import check_fields
 from meshy.infer.engine import SamplingParams
 from meshy.recipes.agents.trajectory import AgentLimits
 from meshy.recipes.dataflow import check_dataflow
+from meshy.recipes.overrides import Override, apply_overrides, blamed
 from meshy.recipes.pretrained import check_init
 from meshy.recipes.tasks.chat_templates import TEMPLATES
 from meshy.recipes.topology import layout
@@ -726,8 +728,8 @@ class Recipe:
         return sum(spec.processes for _, spec in self.roles.items())
 
 
-def load_recipe(source: str | Path | None = None) -> Recipe:
-    """A recipe from a TOML file (None: the embedded default)."""
+def load_recipe(source: str | Path | None = None, overrides: Sequence[Override] = ()) -> Recipe:
+    """A recipe from a TOML file (None: the embedded default), with `--set` overrides applied to its data."""
     path = Path(source) if source is not None else DEFAULT_RECIPE
     if not path.is_file():
         raise SchemaError(f"recipe: no file {path}")
@@ -737,7 +739,11 @@ def load_recipe(source: str | Path | None = None) -> Recipe:
         raise SchemaError(f"recipe {path}: not valid TOML: {e}") from None
     except RecursionError:  # tomllib parses nested arrays and inline tables recursively
         raise SchemaError(f"recipe {path}: arrays or tables nested too deeply") from None
-    return build(Recipe, data, "recipe")
+    data = apply_overrides(data, overrides)
+    try:
+        return build(Recipe, data, "recipe")
+    except SchemaError as e:
+        raise blamed(e, overrides) from None
 
 
 def build(cls: type, data: Any, path: str) -> Any:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from meshy.recipes.nodes import (
     interface_of,
     node_address,
 )
+from meshy.recipes.overrides import Override, recipe_as_run
 from meshy.recipes.parent_death import die_with_parent
 from meshy.recipes.recipe import DEFAULT_RECIPE, Recipe, load_recipe
 from meshy.recipes.run_secret import run_secret
@@ -51,20 +53,27 @@ def run(
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     secret_file: str | None = None,
+    overrides: Sequence[Override] = (),
 ) -> int:
     if resume is not None:
         source = Path(resume) / RECIPE_FILE
         if not source.is_file():
             raise SchemaError(f"--resume {resume}: not a run directory (no {RECIPE_FILE})")
+        if overrides:
+            raise SchemaError(
+                f"--set with --resume: a run carries on with the recipe it started with ({source}, overrides "
+                "included); start a new run to change it"
+            )
     else:
         source = Path(recipe_path) if recipe_path else DEFAULT_RECIPE
-    recipe = load_recipe(source)  # every error surfaces here, before any process starts
+    recipe = load_recipe(source, overrides)  # every error surfaces here, before any process starts
+    text = recipe_as_run(source, overrides)
     check_nodes(recipe, nnodes)
     secret = run_secret(secret_file, recipe.topology.nodes)
     if recipe.topology.nodes == 1:
         if node_rank or rdzv_endpoint:
             raise SchemaError("--node-rank, --rdzv-endpoint: the recipe runs on one node (topology.nodes = 1)")
-        directory = Path(resume) if resume else new_run_dir(recipe, source, time.strftime("%Y%m%d-%H%M%S"), False)
+        directory = Path(resume) if resume else new_run_dir(recipe, text, time.strftime("%Y%m%d-%H%M%S"), False)
         return run_one_node(recipe, directory, secret)
     if node_rank is None or rdzv_endpoint is None:
         raise SchemaError(
@@ -74,16 +83,17 @@ def run(
     if not 0 <= node_rank < recipe.topology.nodes:
         raise SchemaError(f"--node-rank {node_rank}: expected 0 to {recipe.topology.nodes - 1}")
     node = NodeRun(recipe, node_rank, rdzv_endpoint, secret, secret_file)
-    return node.run(node.prepare(source, resume))
+    return node.run(node.prepare(text, resume))
 
 
-def new_run_dir(recipe: Recipe, source: Path, stamp: str, shared: bool) -> Path:
-    """runs/<name>-<stamp>, holding the recipe as given. shared: the nodes of one run may all make it (on
-    a shared filesystem each writes the same bytes, replacing the file whole)."""
+def new_run_dir(recipe: Recipe, text: bytes, stamp: str, shared: bool) -> Path:
+    """runs/<name>-<stamp>, holding the recipe as run (`text`: meshy.recipes.overrides.recipe_as_run). shared:
+    the nodes of one run may all make it (on a shared filesystem each writes the same bytes, replacing the
+    file whole)."""
     directory = Path(recipe.run_dir) / f"{recipe.name}-{stamp}"
     directory.mkdir(parents=True, exist_ok=shared)
     partial = directory / f".{RECIPE_FILE}.{os.getpid()}"
-    partial.write_bytes(source.read_bytes())
+    partial.write_bytes(text)
     partial.replace(directory / RECIPE_FILE)
     return directory
 
@@ -135,10 +145,10 @@ class NodeRun:
         self.here = on_node(self.slots, node)
         self.cluster = Cluster(endpoint, node, recipe.topology.nodes)
 
-    def prepare(self, source: Path, resume: str | None) -> Path:
+    def prepare(self, text: bytes, resume: str | None) -> Path:
         """The run directory every node agreed on (made here for a new run), probed if it must be shared."""
         try:
-            self.cluster.join(source.read_text())
+            self.cluster.join(text.decode())
             if resume is not None:
                 directory = Path(resume)
                 names = self.cluster.agree("resume", directory.name)
@@ -146,7 +156,7 @@ class NodeRun:
                     raise SchemaError(f"--resume: the nodes resume different runs: {names} (node by node)")
             else:
                 stamp = self.cluster.decided("run", time.strftime("%Y%m%d-%H%M%S"))
-                directory = new_run_dir(self.recipe, source, stamp, True)
+                directory = new_run_dir(self.recipe, text, stamp, True)
             reasons = shared_reasons(self.recipe, self.slots)
             if reasons:
                 probe(self.cluster, directory, reasons)
