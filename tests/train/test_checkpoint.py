@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,11 @@ def test_a_sound_checkpoint_loads_after_verification(tmp_path):
     fresh = trainer(seed=1)
     assert checkpoint.load(path, fresh) == {"version": 3}
     assert all(torch.equal(a, b) for a, b in zip(parameters(fresh), parameters(saved), strict=True))
+
+
+def test_a_single_process_saves_and_loads_without_dcp_s_single_process_warning(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = checkpoint.save(tmp_path, 1, trainer(seed=0), {"version": 1})
+        checkpoint.load(path, trainer(seed=1))
+    assert [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)] == []
