@@ -290,7 +290,7 @@ def test_the_default_recipe_split_over_two_nodes_climbs_past_0_9_with_each_produ
     start, end = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert start < 0.15 and end >= 0.9, (start, end)
     traffic = report(run_dir).split("data-plane bytes")[1].splitlines()
-    print("\n".join(traffic))  # the README's figure
+    print("\n".join(traffic))  # the figure on docs/nodes.md
     rows = {line.split(":")[0].strip(): line for line in traffic[1:] if "->" in line}
     assert rows["node 1 -> node 0"].endswith("sent 0 B, received 0 B"), "node 1's producers wrote locally"
     assert rows["node 0 -> node 0"].endswith("sent 0 B, received 0 B"), "nothing is stored on node 0"
