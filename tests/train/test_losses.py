@@ -47,6 +47,22 @@ def test_grpo_advantages_centre_per_group_and_scale_by_unbiased_std():
     close(grpo_advantages(rewards, scale_by_std=True), [[a0, -a0, -a0, a0], [a1, -a1, 0.0, 0.0]])
 
 
+def test_dropped_rows_nan_rewards_are_left_out_of_their_groups_advantages():
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, nan, 0.0, 0.0], [nan, nan, nan, 1.0], [nan] * 4])
+    scored = torch.tensor([[1.0, 0.0, 0.0]])
+    expected = grpo_advantages(scored, scale_by_std=True)[0].tolist()
+    advantages = grpo_advantages(rewards, scale_by_std=True)
+    close(advantages[0, [0, 2, 3]], expected)  # the group's mean and std over its three scored rows
+    assert advantages[0, 1].isnan() and advantages[1, :3].isnan().all() and advantages[2].isnan().all()
+    assert advantages[1, 3] == 0.0  # one scored row: nothing to compare it with
+    close(grpo_advantages(rewards, scale_by_std=False)[0, [0, 2, 3]], [2 / 3, -1 / 3, -1 / 3])
+    tied = torch.tensor([[0.0, nan, 0.0], [1.0, 0.0, nan], [nan] * 3])
+    assert push_tied_groups(torch.zeros(3, 3), tied, penalty=0.1)[1] == 1  # only the group tied at 0
+    keep, dropped = drop_uniform_groups(tied)
+    assert keep.tolist() == [False, True, False] and dropped == 2
+
+
 def test_push_tied_groups_pushes_down_only_groups_tied_below_the_best():
     rewards = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.4, 0.4, 0.4], [1.0, 1.0, 1.0], [0.4, 0.4, 0.3]])
     advantages = grpo_advantages(rewards, scale_by_std=True)

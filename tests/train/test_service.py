@@ -206,6 +206,34 @@ def test_reward_mean_counts_the_rows_dynamic_sampling_dropped(client, unique, tm
     assert record["reward_mean"] == sum(rewards) / 4
 
 
+def test_a_row_rollout_dropped_for_a_task_error_is_dropped_with_that_reason_not_as_an_empty_response(
+    client, unique, tmp_path
+):
+    """on_task_error = "drop": a row the task's code (or the engine, on the task's prompt) failed on has a NaN
+    reward and no advantage; an engine error leaves it no response either."""
+    task = cols.train_with(reward=True)
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(task,))).name
+    rows = [0, 1, 2, 3]
+    client.put(table, rows, {cols.PROMPT_IDS: [torch.tensor([1, 2])] * 4}, group_ids=[0, 0, 1, 1])
+    client.add_columns(table, rows, {
+        cols.RESPONSE_IDS: [torch.tensor([3, 4, 5])] * 3 + [torch.zeros(0, dtype=torch.int64)],
+        cols.ROLLOUT_LOGPROBS: [torch.full((3,), -1.0)] * 3 + [torch.zeros(0)],
+        cols.TOKEN_VERSIONS: [torch.zeros(3, dtype=torch.int64)] * 3 + [torch.zeros(0, dtype=torch.int64)],
+        cols.ADVANTAGE: [torch.full((3,), 1.0), torch.full((3,), -1.0), torch.zeros(0), torch.zeros(0)],
+        cols.REWARD: torch.tensor([1.0, 0.0, float("nan"), float("nan")]),
+    })  # fmt: skip
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(table=table, task=task.name, groups_per_rank=2, batch_timeout_s=5, report_reward=True)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+    service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
+    record = service.train_batch(service.wait_for_batch())
+    assert record["rows_trained"] == 2
+    assert [d["reason"] for d in record["dropped"]] == [
+        "task error: rollout dropped it (on_task_error = drop; records/rollout-*.jsonl has the error)"
+    ] * 2
+    assert record["reward_mean"] == 0.5  # over the rows that were scored
+
+
 def test_epochs_pass_over_a_version_s_minibatches_again_clipped_against_where_the_version_started(
     client, unique, tmp_path
 ):

@@ -6,7 +6,7 @@ and acks; rows are freed once every task that `retires` them acked them):
   prompts        ->  prompt_ids, ground_truth             (rollout puts new rows; it leases nothing)
   generate       prompt_ids -> response_ids, rollout_logprobs, token_versions, finish_reason, truncated,
                  error (+ routed_experts when the run replays a mixture-of-experts model's routing)
-  reward         response_ids, ground_truth -> reward     (per row)
+  reward         response_ids, ground_truth, error -> reward     (per row; NaN: the row is dropped)
   advantage      reward, response_ids, whole groups -> advantage
                  (with a critic: + values -> + returns, GAE)
   critic_values  prompt_ids, response_ids -> values
@@ -95,7 +95,7 @@ GENERATE_TASK = Task(
     reads=(PROMPT_IDS,),
     writes=(RESPONSE_IDS, ROLLOUT_LOGPROBS, TOKEN_VERSIONS, FINISH_REASON, TRUNCATED, ERROR),
 )
-REWARD_TASK = Task("reward", reads=(RESPONSE_IDS, GROUND_TRUTH), writes=(REWARD,))
+REWARD_TASK = Task("reward", reads=(RESPONSE_IDS, GROUND_TRUTH, ERROR), writes=(REWARD,))
 ADVANTAGE_TASK = Task("advantage", reads=(REWARD, RESPONSE_IDS), writes=(ADVANTAGE,))
 CRITIC_VALUES_TASK = Task("critic_values", reads=(PROMPT_IDS, RESPONSE_IDS), writes=(VALUES,))
 CRITIC_TRAIN_TASK = Task("critic_train", reads=(PROMPT_IDS, RESPONSE_IDS, VALUES, RETURNS), retires=True)

@@ -103,6 +103,7 @@ def report(run_dir: str | Path) -> str:
         f"rows trained {trained_rows}, dropped {sum(reasons.values())}"
         + "".join(f"\n  dropped: {n} x {reason}" for reason, n in reasons.most_common())
     )
+    out += _task_errors(run_dir)
     out += _trajectories(run_dir)
     out += _traffic(run_dir)
     rewards = [m["reward_mean"] for m in metrics if m.get("reward_mean") is not None]
@@ -156,6 +157,24 @@ def _size(n: float) -> str:
         if n < 1024:
             return f"{n:.1f} {unit}"
     return f"{n / 1024:.1f} GiB"
+
+
+def _task_errors(run_dir: Path) -> list[str]:
+    """What the task's code failed on in a run that drops such rows (on_task_error = "drop"): rows dropped,
+    problems skipped, by error."""
+    lines = [r for p in (run_dir / "records").glob("rollout-*.jsonl") for r in _lines(p)]
+    records = [r for r in lines if r["kind"] == "task_errors"]
+    if not records:
+        return []
+    errors: Counter = Counter()
+    for r in records:
+        errors.update(r["errors"])
+    rows = sum(len(r["rows"]) for r in records)
+    skipped = sum(not r["rows"] for r in records)
+    return [
+        f"task errors (on_task_error = drop): {rows} rows dropped, {skipped} problems skipped"
+        + "".join(f"\n  {n} x {error}" for error, n in errors.most_common())
+    ]
 
 
 def _trajectories(run_dir: Path) -> list[str]:

@@ -26,6 +26,7 @@ from meshy.recipes.imports import import_object
 from meshy.recipes.nodes import NODE_ADDRESS_ENV, node_address, node_rank, run_dir
 from meshy.recipes.recipe import CustomRoleSpec, Recipe, RoleSpec, load_recipe
 from meshy.recipes.servers import host_servers
+from meshy.recipes.task_errors import TASK_ERROR_FILE, TaskError
 from meshy.recipes.topology import Slot, assign, on_node
 from meshy.recipes.watchdog import Watchdog
 from meshy.recipes.weight_sync import join_weight_sync
@@ -129,6 +130,14 @@ def main(argv: list[str] | None = None) -> None:
         custom = next((c for c in recipe.roles.custom if c.name == slot.role), None)
         role = cls(ctx, **custom.arguments()) if custom is not None else cls(ctx)
         role.run()
+    except TaskError as e:  # the user's code: their traceback and the field to fix, not ours
+        failed = True
+        print(f"meshy: {slot.role} process {slot.index}: {e}", file=sys.stderr, flush=True)
+        task_error_file = directory / "logs" / TASK_ERROR_FILE
+        if not task_error_file.exists():  # the first one to fail says why the run stopped
+            task_error_file.write_text(f"{e}\n")
+        with contextlib.suppress(DataPlaneError):
+            announce_stop(client, f"{e.field} failed in {slot.role} process {slot.index}")
     except BaseException:
         failed = True
         traceback.print_exc()

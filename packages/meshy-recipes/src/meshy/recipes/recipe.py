@@ -522,6 +522,11 @@ class Recipe:
             raise SchemaError('algorithm.kind: "ppo" trains a learned critic; add a [roles.critic] section')
         if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
             raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
+    on_task_error: Literal["stop", "drop"] = "stop"
+    """What the run does when the task's code (task.tokenizer, task.problems, task.reward,
+    task.environment) raises, or the engine cannot generate a prompt the task made: "stop" ends the run
+    within seconds, naming the field, the row and the traceback; "drop" drops the row (counted as dropped,
+    with the error, in records and `meshy inspect`) and goes on."""
         self._check_reference(roles)
         if self.multi_turn or "environment" in roles:
             self._check_multi_turn(roles)

@@ -36,6 +36,7 @@ from meshy.recipes.parent_death import die_with_parent
 from meshy.recipes.recipe import DEFAULT_RECIPE, Recipe, load_recipe
 from meshy.recipes.run_secret import run_secret
 from meshy.recipes.shared_dir import probe, shared_reasons
+from meshy.recipes.task_errors import TASK_ERROR_ADVICE, TASK_ERROR_FILE
 from meshy.recipes.topology import Slot, assign, on_node
 from meshy.recipes.torchrun_output import RootCause, TorchrunOutput, exit_status
 from meshy.train import checkpoint
@@ -236,7 +237,8 @@ def announce(recipe: Recipe, directory: Path, node: int | None = None) -> None:
     print(
         f"meshy: {recipe.name}: {recipe.world_size} processes ({roles}){where}, run directory {directory}", flush=True
     )
-    (directory / "logs" / STALL_REPORT).unlink(missing_ok=True)  # a resumed run's own stall, if any, only
+    for report in (STALL_REPORT, TASK_ERROR_FILE):  # a resumed run's own, if any, only
+        (directory / "logs" / report).unlink(missing_ok=True)
 
 
 def rank_module(directory: Path) -> list[str]:
@@ -264,7 +266,15 @@ def stopped_report(
     node: int = 0,
 ) -> str:
     """What a user needs after a run stopped early: which rank died, where the logs are, how to carry on.
-    saved: the newest checkpoint's name where the trainer keeps it (None: this node's own)."""
+    saved: the newest checkpoint's name where the trainer keeps it (None: this node's own). A run stopped by
+    the task's own code gets that error and no resume advice: a resume would fail the same way."""
+    task_error = directory / "logs" / TASK_ERROR_FILE
+    if task_error.is_file():
+        return (
+            f"meshy: run {directory} stopped: the task's code failed (torchrun exit code {code})\n"
+            f"meshy: {task_error.read_text().rstrip()}\nmeshy: {TASK_ERROR_ADVICE}.\n"
+            f"meshy: logs in {directory / 'logs'}."
+        )
     if saved is None:
         newest = checkpoint.latest(directory / "checkpoints")
         saved = newest.name if newest is not None else None

@@ -20,15 +20,23 @@ def grpo_advantages(rewards: Tensor, scale_by_std: bool, eps: float = 1e-6) -> T
 
     The std is the unbiased one (torch's default, Bessel-corrected, as verl uses): for small groups it is
     larger than the population std by sqrt(n / (n - 1)), so scaled advantages are slightly smaller.
+    A NaN reward is a dropped row: it is left out of its group's mean and std, and its advantage is NaN;
+    a group with one scored row gives it advantage 0.
     """
     if rewards.ndim != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards: expected a [G, n] tensor with n >= 2 samples per group, got {tuple(rewards.shape)}")
     if not rewards.is_floating_point():
         raise ValueError(f"rewards: expected a floating-point tensor, got {rewards.dtype}")
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if scale_by_std:
-        return centred / (rewards.std(dim=1, keepdim=True) + eps)
-    return centred
+    dropped = rewards.isnan()
+    if not dropped.any():  # torch's own mean and std, bit for bit what runs without drops have always used
+        centred = rewards - rewards.mean(dim=1, keepdim=True)
+        return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale_by_std else centred
+    centred = rewards - rewards.nanmean(dim=1, keepdim=True)
+    if not scale_by_std:
+        return centred
+    scored = (~dropped).sum(dim=1, keepdim=True)
+    variance = centred.nan_to_num().square().sum(dim=1, keepdim=True) / (scored - 1).clamp(min=1)
+    return centred / (variance.sqrt() + eps)
 
 
 def push_tied_groups(advantages: Tensor, rewards: Tensor, penalty: float) -> tuple[Tensor, int]:
@@ -39,7 +47,7 @@ def push_tied_groups(advantages: Tensor, rewards: Tensor, penalty: float) -> tup
     so its GRPO advantage is 0 and nothing would ever change that answer: an entropy bonus hardly moves a
     near-deterministic token. Pushing the answer down makes sampling vary again, and the group's spread
     carries signal once more. A group tied at the best (all solved, or all equally wrong when no group did
-    better) keeps advantage 0.
+    better) keeps advantage 0. NaN rewards (dropped rows) are left out.
     """
     if rewards.shape != advantages.shape or rewards.ndim != 2:
         raise ValueError(
@@ -48,8 +56,10 @@ def push_tied_groups(advantages: Tensor, rewards: Tensor, penalty: float) -> tup
         )
     if not 0 <= penalty < math.inf:
         raise ValueError(f"penalty: expected a finite value >= 0, got {penalty}")
-    low, high = rewards.amin(dim=1, keepdim=True), rewards.amax(dim=1, keepdim=True)
-    stuck = (low == high) & (high < rewards.max())
+    dropped = rewards.isnan()
+    low = rewards.masked_fill(dropped, math.inf).amin(dim=1, keepdim=True)
+    high = rewards.masked_fill(dropped, -math.inf).amax(dim=1, keepdim=True)
+    stuck = (low == high) & (high < high.max())
     if penalty:
         advantages = advantages.masked_fill(stuck, -penalty)
     return advantages, int(stuck.sum())
@@ -67,11 +77,12 @@ def dapo_overlong_penalty(lengths: Tensor, max_length: int, buffer: int, factor:
 def drop_uniform_groups(rewards: Tensor) -> tuple[Tensor, int]:
     """Dynamic sampling: a group whose rewards are all equal has zero advantage everywhere and carries no signal.
 
-    Returns (keep [G] bool, number of groups dropped).
+    Returns (keep [G] bool, number of groups dropped). NaN rewards (dropped rows) are left out.
     """
     if rewards.ndim != 2:
         raise ValueError(f"rewards: expected a [G, n] tensor, got shape {tuple(rewards.shape)}")
-    keep = rewards.amax(dim=1) != rewards.amin(dim=1)
+    dropped = rewards.isnan()
+    keep = rewards.masked_fill(dropped, -math.inf).amax(dim=1) > rewards.masked_fill(dropped, math.inf).amin(dim=1)
     return keep, int((~keep).sum())
 
 

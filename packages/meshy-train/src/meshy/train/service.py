@@ -339,6 +339,10 @@ class TrainingService:
                 if is_bad and reasons[b] is None:
                     reasons[b] = reason(b) if callable(reason) else reason
 
+        if cols.REWARD in c:  # a NaN reward: the task's code, or the engine on the task's prompt, failed on it
+            task_error = "task error: rollout dropped it (on_task_error = drop; records/rollout-*.jsonl has the error)"
+            unscored = (~c[cols.REWARD].isfinite()).tolist()
+            reject([unscored[i] for i in order], task_error)
         reject([m == 0 for m in n], "empty response")
         no_advantage = "no advantage: rollout skipped it (dynamic sampling: its group's rewards are all equal)"
         reject([len(a) == 0 for a in per_token[cols.ADVANTAGE]], no_advantage)

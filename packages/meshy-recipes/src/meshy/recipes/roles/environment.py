@@ -36,6 +36,7 @@ from meshy.recipes.agents.turn_rows import read_turn, trajectory_columns, turn_c
 from meshy.recipes.context import RoleContext
 from meshy.recipes.dataflow import TURNS
 from meshy.recipes.imports import import_object
+from meshy.recipes.task_errors import TaskError, user_traceback
 from meshy.recipes.tasks.arithmetic import Problem
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,14 @@ class EnvironmentRole:
 
     async def _open(self, problem: Problem) -> Trajectory:
         agent = self.agent
-        return await open_trajectory(
-            self.new_environment(), problem, self.tokenizer, agent.template, agent.enable_thinking
-        )
+        try:
+            return await open_trajectory(
+                self.new_environment(), problem, self.tokenizer, agent.template, agent.enable_thinking
+            )
+        except Exception as e:  # a trajectory that cannot start has no row to drop it from: the run stops
+            summary = f"task.environment ({self.ctx.recipe.task.environment!r}) raised {type(e).__name__}: {e}"
+            where = f"opening problem {problem.prompt!r}"
+            raise TaskError("task.environment", summary, where, user_traceback(e)) from e
 
     # ---- new trajectories ---------------------------------------------------------------------
     async def _start_loop(self, stop: asyncio.Event) -> None:
@@ -184,7 +190,11 @@ class EnvironmentRole:
             going = await take_turn(
                 trajectory, turn, env, self.tokenizer, agent.template, self.limits, agent.enable_thinking, error
             )
-        except Exception as e:  # the environment failed: the trajectory ends here, kept with the reason
+        except Exception as e:  # the environment failed: the run stops, or the trajectory ends here with the reason
+            if self.ctx.recipe.on_task_error == "stop":
+                where = f"after turn {trajectory.turns} of trajectory {row} (problem {problem.prompt!r})"
+                summary = f"task.environment ({self.ctx.recipe.task.environment!r}) raised {type(e).__name__}: {e}"
+                raise TaskError("task.environment", summary, where, user_traceback(e)) from e
             log.exception("environment step of trajectory %d failed", row)
             trajectory.finish_reason, trajectory.error, going = ERROR, f"environment: {type(e).__name__}: {e}", False
         return _Stepped(batch, batch.row_ids[i], row, problem, trajectory, going)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 from meshy.dataplane import SchemaError
@@ -19,6 +20,7 @@ from meshy.recipes.context import RoleContext
 from meshy.recipes.engines import build_engine
 from meshy.recipes.evaluation import EVAL_RESULTS, EVAL_WEIGHTS, figures, held_out_problems, response_text
 from meshy.recipes.imports import import_object
+from meshy.recipes.task_errors import TaskError, call_task, checked_reward
 
 EXAMPLES = 3  # answers of each evaluated version kept in the role's records
 
@@ -29,10 +31,20 @@ class EvalRole:
         recipe = ctx.recipe
         if ctx.slot.count > 1:
             raise SchemaError(f"roles.eval.processes: one process evaluates the held-out set, got {ctx.slot.count}")
-        self.tokenizer = import_object(recipe.task.tokenizer, "task.tokenizer")(**recipe.task.tokenizer_options)
-        self.reward_fn = import_object(recipe.task.reward, "task.reward")
+        task = recipe.task
+        self.tokenizer = call_task(
+            "task.tokenizer",
+            task.tokenizer,
+            "when built with task.tokenizer_options",
+            lambda: import_object(task.tokenizer, "task.tokenizer")(**task.tokenizer_options),
+        )
+        self.reward_fn = import_object(task.reward, "task.reward")
         self.problems = held_out_problems(recipe)
-        self.prompts = [self.tokenizer.encode(p.prompt) for p in self.problems]
+        encode = self.tokenizer.encode
+        self.prompts = [
+            call_task("task.tokenizer", task.tokenizer, f"encoding held-out prompt {p.prompt!r}", encode, p.prompt)
+            for p in self.problems
+        ]
         self.budget = recipe.eval_max_new_tokens
         longest = max(len(p) for p in self.prompts)
         if longest + self.budget > recipe.sampling.context_length:
@@ -94,9 +106,8 @@ class EvalRole:
 
         outputs = await asyncio.gather(*(answer(i, j) for i in range(len(self.prompts)) for j in range(k)))
         texts = [response_text(self.tokenizer, ids) for ids in outputs]
-        rewards = await asyncio.to_thread(
-            lambda: [float(self.reward_fn(text, self.problems[n // k].answer)) for n, text in enumerate(texts)]
-        )
+        errors: Counter = Counter()
+        rewards = await asyncio.to_thread(lambda: [self._reward(n // k, t, errors) for n, t in enumerate(texts)])
         grouped = [rewards[i * k : (i + 1) * k] for i in range(len(self.prompts))]
         result = figures(version, grouped, time.monotonic() - start)
         self.ctx.client.append(EVAL_RESULTS, dataclasses.asdict(result))
@@ -104,7 +115,20 @@ class EvalRole:
             {"prompt": self.problems[n // k].prompt, "response": texts[n], "reward": rewards[n]}
             for n in range(min(EXAMPLES, len(texts)))
         ]
-        self.ctx.record("eval", **dataclasses.asdict(result), examples=examples)
+        self.ctx.record("eval", **dataclasses.asdict(result), examples=examples, task_errors=dict(errors))
+
+    def _reward(self, i: int, text: str, errors: Counter) -> float:
+        """task.reward of an answer to held-out problem i; with on_task_error = "drop", an answer it raises on
+        counts as wrong (0.0), the error counted in `errors`."""
+        path, truth = self.ctx.recipe.task.reward, self.problems[i].answer
+        where = f"on an answer to held-out problem {i} (answer {text!r}, ground truth {truth!r})"
+        try:
+            return checked_reward(call_task("task.reward", path, where, self.reward_fn, text, truth), path, where)
+        except TaskError as e:
+            if self.ctx.recipe.on_task_error == "stop":
+                raise
+            errors[e.summary] += 1
+            return 0.0
 
 
 def _discard(published: Published) -> None:

@@ -11,9 +11,16 @@ tokenizes nor scores.
 
 Rewards are per row; advantages need whole groups (GRPO: the group's mean, optionally its std). A row
 the trainer should skip (dynamic sampling: its group's rewards are all equal) gets an empty advantage.
+
+The task's code runs here (its tokenizer, problem stream and reward): what it raises, and rows the
+engine could not generate, stop the run or drop the row as the recipe's on_task_error says
+(meshy.recipes.task_errors). A dropped row's reward is NaN: it is left out of its group's statistics and
+gets no advantage.
 """
 
+import math
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
@@ -24,6 +31,7 @@ from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.context import RoleContext
 from meshy.recipes.evaluation import WithoutHeldOut, held_out_problems, response_text
 from meshy.recipes.imports import import_object
+from meshy.recipes.task_errors import TaskError, call_task, checked_reward, engine_error
 from meshy.train.advantages import (
     dapo_overlong_penalty,
     drop_uniform_groups,
@@ -36,19 +44,32 @@ from meshy.train.advantages import (
 
 FREE_BATCHES = 8  # how far ahead a fully asynchronous rollout may run
 LEASE_ROWS = 256  # rows scored, or given advantages, at once (as many as are ready, up to this)
+MAX_UNTOKENIZED_IN_A_ROW = 100  # with on_task_error = "drop": problems skipped in a row before the run stops
 
 
 class RolloutRole:
     def __init__(self, ctx: RoleContext):
         self.ctx = ctx
-        recipe = ctx.recipe
-        self.tokenizer = import_object(recipe.task.tokenizer, "task.tokenizer")(**recipe.task.tokenizer_options)
-        self.reward_fn: Callable[[str, str], float] = import_object(recipe.task.reward, "task.reward")
-        seed = recipe.seed * 1000 + ctx.slot.index
-        self.problems: Iterator = import_object(recipe.task.problems, "task.problems")(seed, **recipe.task.options)
-        if recipe.eval is not None:  # never trained on
-            self.problems = WithoutHeldOut(self.problems, held_out_problems(recipe))
-        self.rows_written = 0
+        task = ctx.recipe.task
+        self.tokenizer = call_task(
+            "task.tokenizer",
+            task.tokenizer,
+            "when built with task.tokenizer_options",
+            lambda: import_object(task.tokenizer, "task.tokenizer")(**task.tokenizer_options),
+        )
+        self.reward_fn: Callable[[str, str], float] = import_object(task.reward, "task.reward")
+        seed = ctx.recipe.seed * 1000 + ctx.slot.index
+        self.problems: Iterator = call_task(
+            "task.problems",
+            task.problems,
+            f"when called with seed {seed} and task.options",
+            lambda: import_object(task.problems, "task.problems")(seed, **task.options),
+        )
+        if ctx.recipe.eval is not None:  # never trained on
+            self.problems = WithoutHeldOut(self.problems, held_out_problems(ctx.recipe))
+        self.drop = ctx.recipe.on_task_error == "drop"
+        self.rows_written = self.problems_drawn = 0
+        self.failure: BaseException | None = None
 
     def run(self) -> None:
         self.ctx.watch_for_stop()
@@ -60,14 +81,17 @@ class RolloutRole:
             worker.start()
         for worker in workers:
             worker.join()
+        if self.failure is not None:
+            raise self.failure  # the launcher reports it and stops the run
 
     def _guarded(self, loop: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
             try:
                 loop()
-            except Exception:
-                self.ctx.stop.set()  # one loop failing ends the role; the launcher reports it
-                raise
+            except Exception as e:  # one loop failing ends the role: the others stop, run() raises it
+                if self.failure is None:
+                    self.failure = e
+                self.ctx.stop.set()
 
         return run
 
@@ -94,8 +118,30 @@ class RolloutRole:
     def _skip_to(self, version: int) -> int:
         """Continue the prompt sequence at the batch a run restored at `version` trains next."""
         for _ in range(version * (self.ctx.recipe.algorithm.prompts_per_step // self.ctx.slot.count)):
-            next(self.problems)
+            self._next_problem()
         return version
+
+    def _next_problem(self):
+        where = f"drawing problem {self.problems_drawn}"
+        problem = call_task("task.problems", self.ctx.recipe.task.problems, where, next, self.problems)
+        self.problems_drawn += 1
+        return problem
+
+    def _tokenized_problem(self) -> tuple[object, torch.Tensor]:
+        """The next problem and its prompt ids; with on_task_error = "drop", problems the tokenizer fails on
+        are skipped (recorded), so that a batch still holds prompts_per_step groups."""
+        task = self.ctx.recipe.task
+        for in_a_row in range(1, MAX_UNTOKENIZED_IN_A_ROW + 1):
+            problem = self._next_problem()
+            where = f"encoding the prompt of problem {self.problems_drawn - 1}: {problem.prompt!r}"
+            try:
+                ids = call_task("task.tokenizer", task.tokenizer, where, self.tokenizer.encode, problem.prompt)
+                return problem, torch.tensor(ids, dtype=torch.int64, device=HOST)
+            except TaskError as e:
+                if not self.drop or in_a_row == MAX_UNTOKENIZED_IN_A_ROW:
+                    raise
+                self.ctx.record("task_errors", rows=[], errors={e.summary: 1})
+        raise AssertionError("unreachable")
 
     def _write_batch(self, batch: int) -> None:
         algo, slot = self.ctx.recipe.algorithm, self.ctx.slot
@@ -104,11 +150,11 @@ class RolloutRole:
         rows, groups, prompts, truths = [], [], [], []
         for p in range(per_process):
             group = (batch * algo.prompts_per_step) + slot.index * per_process + p
-            problem = next(self.problems)
             if multi_turn:  # the environment role renders it
+                problem = self._next_problem()
                 prompt = problem.prompt
             else:
-                prompt = torch.tensor(self.tokenizer.encode(problem.prompt), dtype=torch.int64, device=HOST)
+                problem, prompt = self._tokenized_problem()
             for k in range(algo.group_size):
                 rows.append(group * algo.group_size + k)
                 groups.append(group)
@@ -126,10 +172,32 @@ class RolloutRole:
             batch = client.lease(table, task.name, list(task.reads), count=LEASE_ROWS, min_count=1, timeout=0.5)
             if batch is None:
                 continue
-            rewards = []
-            for response, truth in zip(batch.columns[cols.RESPONSE_IDS], batch.columns[cols.GROUND_TRUTH], strict=True):
-                rewards.append(float(self.reward_fn(response_text(self.tokenizer, response.tolist()), truth)))
+            c = batch.columns
+            rewards, dropped, errors = [], [], Counter()
+            for row, response, truth, error in zip(
+                batch.row_ids, c[cols.RESPONSE_IDS], c[cols.GROUND_TRUTH], c[cols.ERROR], strict=True
+            ):
+                try:
+                    if error:
+                        raise engine_error(row, error, truth)
+                    rewards.append(self._reward(row, response.tolist(), truth))
+                except TaskError as e:
+                    if not self.drop:
+                        raise
+                    rewards.append(math.nan)
+                    dropped.append(row)
+                    errors[e.summary] += 1
+            if dropped:
+                self.ctx.record("task_errors", rows=dropped, errors=dict(errors))
             client.add_columns(table, batch.row_ids, {cols.REWARD: torch.tensor(rewards, device=HOST)}, ack=batch)
+
+    def _reward(self, row: int, response: list[int], truth: str) -> float:
+        task = self.ctx.recipe.task
+        decoding = f"decoding row {row}"
+        text = call_task("task.tokenizer", task.tokenizer, decoding, response_text, self.tokenizer, response)
+        where = f"on row {row} (response {text!r}, ground truth {truth!r})"
+        reward = call_task("task.reward", task.reward, where, self.reward_fn, text, truth)
+        return checked_reward(reward, task.reward, where)
 
     # ---- advantages ---------------------------------------------------------------------------
     def advantages(self) -> None:
@@ -154,12 +222,13 @@ class RolloutRole:
             ]
             client.add_columns(table, batch.row_ids, {cols.ADVANTAGE: per_token}, ack=batch)
             groups = len(batch) // algo.group_size
-            self.ctx.record("advantage", groups=groups, reward_mean=float(rewards.mean()), tied_below_best=stuck)
+            self.ctx.record("advantage", groups=groups, reward_mean=float(rewards.nanmean()), tied_below_best=stuck)
 
     def critic_advantages(self) -> None:
         """GAE over the critic's values, outcome reward on the last token, gamma 1, lambda_i = k^(1/L_i);
         returns are the lambda = 1 targets the critic trains on. A multi-turn row steps over its policy's
-        tokens only: the reward goes on the last of them, L_i counts them, observations take no step."""
+        tokens only: the reward goes on the last of them, L_i counts them, observations take no step.
+        A dropped row (NaN reward) gets no advantage, and its own values as returns: nothing to learn."""
         client, table, algo = self.ctx.client, self.ctx.table, self.ctx.recipe.algorithm
         multi_turn = self.ctx.recipe.multi_turn
         while not self.ctx.stop.is_set():
@@ -176,7 +245,7 @@ class RolloutRole:
                     mask[i, :n] &= batch.columns[cols.POLICY_MASK][i].to(HOST)
                 policy = mask[i].nonzero()
                 if len(policy):
-                    token_rewards[i, policy[-1]] = batch.columns[cols.REWARD][i]
+                    token_rewards[i, policy[-1]] = batch.columns[cols.REWARD][i].nan_to_num()
                     padded_values[i, :n] = value
             steps = mask.sum(dim=1)
             advantage, returns = gae(
@@ -186,6 +255,8 @@ class RolloutRole:
                 advantage = tail_overlong_bonus(advantage, mask.float(), self._overlong_penalty(responses))
             trained = self._trained_rows(batch.columns[cols.REWARD].view(-1, algo.group_size))
             n = lengths.tolist()
+            for i in (~batch.columns[cols.REWARD].isfinite()).nonzero().view(-1).tolist():
+                returns[i, : n[i]] = values[i]
             client.add_columns(
                 table,
                 batch.row_ids,
@@ -213,8 +284,10 @@ class RolloutRole:
         return dapo_overlong_penalty(lengths, max_length, algo.overlong_buffer, algo.overlong_factor)
 
     def _trained_rows(self, rewards: torch.Tensor) -> list[bool]:
-        """Per row: whether the trainer should learn from it (dynamic sampling skips uniform groups)."""
+        """Per row: whether the trainer should learn from it (not a row dropped for a task error, whose reward
+        is NaN; dynamic sampling skips uniform groups)."""
+        scored = rewards.isfinite().view(-1)
         if not self.ctx.recipe.algorithm.dynamic_sampling:
-            return [True] * rewards.numel()
+            return scored.tolist()
         keep, _ = drop_uniform_groups(rewards)
-        return keep.repeat_interleave(rewards.shape[1]).tolist()
+        return (keep.repeat_interleave(rewards.shape[1]) & scored).tolist()
