@@ -131,7 +131,8 @@ class RolesSpec:
     inference: RoleSpec = field(default_factory=RoleSpec)
     """The engines (sampling.engine) that generate responses."""
     rollout: RoleSpec = field(default_factory=RoleSpec)
-    """Writes prompts (task.problems), paced by weights versions; scores responses and computes advantages."""
+    """Writes prompts (task.problems), paced by weights versions; scores responses (task.reward; a multi-turn
+    task's environment role scores them instead) and computes advantages."""
     environment: RoleSpec | None = None
     """Plays multi-turn trajectories (task.environment); a multi-turn task needs it, and only such a task may
     have it."""
@@ -251,8 +252,8 @@ class AgentSpec:
     """The chat template: "qwen3", "minicpm5", "smollm2" or "plain" (meshy.recipes.tasks.chat_templates; qwen3
     and smollm2 render tools)."""
     enable_thinking: bool | None = None
-    """The template's thinking switch: False closes Qwen3's think block in the generation prompt, True opens
-    MiniCPM5's, None lets the model decide (SmolLM2 has no thinking mode: None only)."""
+    """The template's thinking switch: False ends Qwen3's generation prompt with an empty think block, True opens
+    one in MiniCPM5's, None lets the model decide (SmolLM2 has no thinking mode: None only)."""
     max_turns: int = 4
     """Policy turns per trajectory (1 to 1000)."""
     max_tokens: int = 256
