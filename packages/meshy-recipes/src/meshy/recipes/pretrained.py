@@ -23,6 +23,7 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.model_source import read_model
 from meshy.infer.torch_model import ModelConfig
+from meshy.recipes.hub import download_error
 from meshy.train.models import DecoderArch, get_model
 
 GGUF_PREFIX = "gguf:"
@@ -151,6 +152,4 @@ def _download(repo: str) -> Path:
     try:
         return Path(huggingface_hub.snapshot_download(repo, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:
-        raise SchemaError(
-            f"init: downloading {HUB_PREFIX}{repo} from the hub failed ({type(e).__name__}: {e})"
-        ) from None
+        raise download_error(f"init: downloading {HUB_PREFIX}{repo} from the hub failed", e) from None

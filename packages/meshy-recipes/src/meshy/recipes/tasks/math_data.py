@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshy.dataplane import SchemaError
+from meshy.recipes.hub import download_error
 
 FORMATS = ("dapo", "ultradata", "gsm8k")
 SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -77,10 +78,7 @@ def resolve_source(source: str) -> Path:
     except SchemaError:
         raise
     except Exception as e:
-        raise SchemaError(
-            f"source: no file {source}, and downloading it from the hub failed ({type(e).__name__}: {e}); "
-            "hub dataset names need huggingface_hub and network"
-        ) from None
+        raise download_error(f"source: no file {source}, and downloading it from the hub failed", e) from None
 
 
 def _rows(path: Path, columns: tuple[str, ...]) -> Iterator[Any]:
