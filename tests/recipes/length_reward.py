@@ -5,3 +5,6 @@ differs within nearly every group, so GRPO advantages, and the gradients of a st
 
 def length_reward(response: str, ground_truth: str) -> float:
     return len(response) / 1000
+
+
+length_reward.perfect_response = None  # it pays for length, not for a right answer (meshy.recipes.task_trial)

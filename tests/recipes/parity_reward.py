@@ -11,3 +11,8 @@ def parity_reward(response: str, ground_truth: str) -> float:
 def answer_parity_reward(response: str, ground_truth: str) -> float:
     """The parity of the right answer, whatever the response: every group's rewards are equal."""
     return float(int(ground_truth) % 2)
+
+
+# Stand-ins that pay for something else than a right answer: none gets full marks for being right, so
+# meshy check does not try them on one (meshy.recipes.task_trial).
+parity_reward.perfect_response = answer_parity_reward.perfect_response = None

@@ -57,7 +57,9 @@ class ToolEnvironment:
     answer with `score(answer text, problem)`. A turn with no tool call is the final answer; calls are
     read in `tool_format` (meshy.recipes.agents.tool_calls.FORMATS), the chat template's. call_score: the
     reward of the first turn that calls tools, from its text, what its calls did and the problem (later
-    calls earn nothing: a policy is not paid for calling again; no call_score, nothing)."""
+    calls earn nothing: a policy is not paid for calling again; no call_score, nothing). perfect_answer: the
+    final answer (text before the end of turn) that `score` gives full marks, for a problem; `meshy check`
+    tries it (meshy.recipes.task_trial)."""
 
     def __init__(
         self,
@@ -68,11 +70,13 @@ class ToolEnvironment:
         call_score: Callable[[str, list[ToolResult], Any], float] | None = None,
         tool_format: str = "qwen3",
         examples: Sequence[Message] = (),
+        perfect_answer: Callable[[Any], str] | None = None,
     ) -> None:
         if tool_format not in FORMATS:
             raise SchemaError(f"tool_format: unknown tool-call format {tool_format!r}; expected one of {FORMATS}")
         self.tools, self.prompt, self.score, self.system = tools, prompt, score, system
         self.call_score, self.tool_format, self.examples = call_score, tool_format, list(examples)
+        self.perfect_answer = perfect_answer
         self._problem: Any = None
         self._called = False  # a turn has called tools (call_score is paid once)
 

@@ -161,6 +161,7 @@ def environment(
         tool_format=tool_format,
         examples=worked_examples(examples, tool_format),
         partial_credit=partial_credit,
+        perfect_answer=operator.attrgetter("answer"),
     )
 
 

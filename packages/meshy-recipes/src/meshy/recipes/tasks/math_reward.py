@@ -65,6 +65,21 @@ def boxed_reward(response: str, ground_truth: str) -> float:
     return float(_equivalent(extract_boxed(response), ground_truth))
 
 
+def dapo_answer(ground_truth: str) -> str:
+    """A response dapo_reward gives full marks: the ground truth on an "Answer:" line."""
+    return f"Answer: {ground_truth}"
+
+
+def boxed_answer(ground_truth: str) -> str:
+    """A response boxed_reward and math_verify_reward give full marks: the ground truth boxed."""
+    return f"\\boxed{{{ground_truth}}}"
+
+
+# What each reward pays full marks for (meshy.recipes.task_trial): the bare ground truth is not an answer here.
+dapo_reward.perfect_response = dapo_answer
+boxed_reward.perfect_response = math_verify_reward.perfect_response = boxed_answer
+
+
 def _equivalent(answer: str | None, truth: str) -> bool:
     if answer is None or len(answer) > MAX_ANSWER_CHARS:
         return False

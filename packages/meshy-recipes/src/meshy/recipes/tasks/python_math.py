@@ -10,8 +10,10 @@ Problems are the math task's (meshy.recipes.tasks.math: generated, or a data fil
 environment poses each question with `instruction`, offers the `python` tool (meshy.recipes.agents.
 python_tool: every call a fresh sandbox with `cpu_s` of CPU time and `memory_mb` of address space, and
 a wall-clock limit a little under the recipe's agent.tool_timeout_s) and scores the turn that calls no
-tool with `reward` (math_reward: "boxed", "dapo" or "math-verify"). The sandbox must be available on
-the machine (meshy.recipes.agents.sandbox): a run on one that refuses it fails at start, saying why.
+tool with `reward` (math_reward: "boxed", "dapo" or "math-verify"), its end of turn left out (a "dapo"
+answer runs to the end of its line: "Answer: \\frac{1}{2}<|im_end|>" would not be \\frac{1}{2}). The sandbox
+must be available on the machine (meshy.recipes.agents.sandbox): a run on one that refuses it fails at start,
+saying why.
 """
 
 import functools
@@ -31,6 +33,7 @@ REWARDS = {
     "dapo": math_reward.dapo_reward,
     "math-verify": math_reward.math_verify_reward,
 }
+END_OF_TURN = "<|im_end|>"  # Qwen3's: the final turn's text ends with it, which is not part of the answer
 STOP_S = 2.0  # the tool's timeout minus the sandbox's wall clock: start-up and the stop of a slow call
 
 
@@ -71,5 +74,6 @@ def environment(
     return ToolEnvironment(
         _tools(tool_timeout_s, cpu_s, memory_mb),
         prompt=lambda p: instruction.replace("{question}", p.prompt),
-        score=lambda text, p: score(text, p.answer),
+        score=lambda text, p: score(text.removesuffix(END_OF_TURN), p.answer),
+        perfect_answer=lambda p: score.perfect_response(p.answer),
     )

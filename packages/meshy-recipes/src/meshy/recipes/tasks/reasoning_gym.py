@@ -109,6 +109,21 @@ def score_tagged(response: str, ground_truth: str) -> float:
     return 0.0 if answer is None else _score(answer, ground_truth)
 
 
+def right_answer(ground_truth: str) -> str:
+    """The dataset's answer in a ground truth: a response `score` and `score_exact` give full marks."""
+    return str(_truth(ground_truth)["answer"])
+
+
+def tagged_answer(ground_truth: str) -> str:
+    """The dataset's answer inside `<answer>` tags: a response `score_tagged` gives full marks."""
+    return f"<answer>{right_answer(ground_truth)}</answer>"
+
+
+# The ground truth is JSON, not a response: what each reward pays full marks for (meshy.recipes.task_trial).
+score.perfect_response = score_exact.perfect_response = right_answer
+score_tagged.perfect_response = tagged_answer
+
+
 def _score(answer: str, ground_truth: str) -> float:
     truth = _truth(ground_truth)
     entry = {"answer": truth["answer"], "metadata": truth["metadata"]}
