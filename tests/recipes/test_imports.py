@@ -21,7 +21,10 @@ def test_meshy_run_validates_a_recipe_and_lays_out_its_processes_without_the_dat
         "from meshy.recipes import cli, run\n"
         "from meshy.recipes.catalog import resolve, topology\n"
         "from meshy.recipes.recipe import load_recipe\n"
-        "print(topology(load_recipe(resolve('calculator-tiny-cpu'))))"
+        "from meshy.recipes.task_trial import try_task\n"
+        "print(topology(load_recipe(resolve('calculator-tiny-cpu'))))\n"
+        "for name in ('calculator-tiny-cpu', 'default'):\n"
+        "    try_task(load_recipe(resolve(name)))"  # what meshy check and meshy run try before any rank starts
     )
     assert imported_after(code) == set()
 

@@ -103,12 +103,19 @@ def command(args: argparse.Namespace) -> int:
             return 0
         if args.command == "check":
             from meshy.recipes.catalog import check_imports, check_nodes, resolve, topology
+            from meshy.recipes.imports import import_beside
             from meshy.recipes.recipe import load_recipe
+            from meshy.recipes.task_trial import try_task
 
-            recipe = load_recipe(resolve(args.recipe), overrides(args))
+            path = resolve(args.recipe)
+            recipe = load_recipe(path, overrides(args))
             check_nodes(recipe, args.nnodes)
+            import_beside(path)
             check_imports(recipe)
+            notes = try_task(recipe, downloads=False)  # the task's code on a few problems, against the model
             print(topology(recipe, args.gpus_per_node))
+            for note in notes:
+                print(f"meshy: {note}", file=sys.stderr)
             return 0
         if args.command == "inspect":
             from meshy.recipes.inspect_run import report

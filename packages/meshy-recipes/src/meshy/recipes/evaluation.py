@@ -15,11 +15,15 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from meshy.dataplane import DataPlaneClient, SchemaError
+from meshy.dataplane import SchemaError
 from meshy.recipes.imports import import_object
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.tasks.arithmetic import Problem
+
+if TYPE_CHECKING:  # the client imports the data plane's libraries (seconds): meshy check uses response_text only
+    from meshy.dataplane import DataPlaneClient
 
 EVAL_WEIGHTS = "eval-weights"  # training -> eval role: the versions to evaluate (Published messages)
 EVAL_RESULTS = "eval"  # eval role -> training: each evaluated version's figures
@@ -127,7 +131,7 @@ def figures(version: int, rewards: list[list[float]], seconds: float) -> EvalFig
 class EvalResults:
     """The training lead's side of EVAL_RESULTS."""
 
-    def __init__(self, client: DataPlaneClient):
+    def __init__(self, client: "DataPlaneClient"):
         self._reader = client.reader(EVAL_RESULTS, "training-eval", start=1)
 
     def drain(self) -> list[EvalFigures]:

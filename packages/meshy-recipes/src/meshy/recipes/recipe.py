@@ -224,7 +224,10 @@ class TaskSpec:
     problems: str = "meshy.recipes.tasks.arithmetic:problems"
     """The problem stream, called with a seed and options; problems have .prompt and .answer."""
     reward: str = "meshy.recipes.tasks.arithmetic:exact_match"
-    """The reward function: (response text, ground truth) -> float."""
+    """The reward function: (response text, ground truth) -> float. `meshy check` and `meshy run` try it first
+    (meshy.recipes.task_trial): the right answer must get full marks (>= 1), an empty response a finite number.
+    The right answer is the ground truth, or what the function's `perfect_response(ground_truth)` attribute
+    writes (e.g. "Answer: 42"); `perfect_response = None`: a reward without a right answer, not tried on one."""
     options: dict = field(default_factory=dict)
     """Keyword arguments of the problem stream."""
     tokenizer_options: dict = field(default_factory=dict)

@@ -22,6 +22,7 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane.security import SECRET_ENV
 from meshy.recipes.catalog import check_nodes
 from meshy.recipes.cluster import SILENT, Cluster, parse_endpoint
+from meshy.recipes.imports import CODE_PATH_ENV, code_path, import_beside
 from meshy.recipes.nodes import (
     INTERFACE_ENVS,
     NODE_ADDRESS_ENV,
@@ -37,6 +38,7 @@ from meshy.recipes.recipe import DEFAULT_RECIPE, Recipe, load_recipe
 from meshy.recipes.run_secret import run_secret
 from meshy.recipes.shared_dir import probe, shared_reasons
 from meshy.recipes.task_errors import TASK_ERROR_ADVICE, TASK_ERROR_FILE
+from meshy.recipes.task_trial import try_task
 from meshy.recipes.topology import Slot, assign, on_node
 from meshy.recipes.torchrun_output import RootCause, TorchrunOutput, exit_status
 from meshy.train import checkpoint
@@ -70,6 +72,10 @@ def run(
     recipe = load_recipe(source, overrides)  # every error surfaces here, before any process starts
     text = recipe_as_run(source, overrides)
     check_nodes(recipe, nnodes)
+    import_beside(source)
+    for note in try_task(recipe):  # the task's code on a few problems, against the model
+        print(f"meshy: {note}", file=sys.stderr)
+    os.environ[CODE_PATH_ENV] = code_path(source, os.environ)  # the ranks import the task as this process did
     secret = run_secret(secret_file, recipe.topology.nodes)
     if recipe.topology.nodes == 1:
         if node_rank or rdzv_endpoint:

@@ -37,6 +37,7 @@ from meshy.recipes.context import RoleContext
 from meshy.recipes.dataflow import TURNS
 from meshy.recipes.imports import import_object
 from meshy.recipes.task_errors import TaskError, user_traceback
+from meshy.recipes.task_trial import eos_mismatch
 from meshy.recipes.tasks.arithmetic import Problem
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,8 @@ class EnvironmentRole:
         self.ctx = ctx
         recipe = ctx.recipe
         self.tokenizer = import_object(recipe.task.tokenizer, "task.tokenizer")(**recipe.task.tokenizer_options)
-        eos, arch = self.tokenizer.eos_token_id, recipe.model.arch()
-        if eos != arch.eos_token_id:  # the engine ends a turn at the model's eos; observations follow its <|im_end|>
-            raise SchemaError(
-                f"model.overrides.eos_token_id: the engine ends a turn at the model's eos_token_id "
-                f"({arch.eos_token_id}), and a multi-turn task's turns end at its tokenizer's end of turn "
-                f"({eos}); expected them equal"
-            )
+        if (why := eos_mismatch(recipe, self.tokenizer)) is not None:  # observations follow the engine's end of turn
+            raise SchemaError(why)
         factory = import_object(recipe.task.environment, "task.environment")
         options = {"tool_timeout_s": recipe.agent.tool_timeout_s, **recipe.task.environment_options}
         self.new_environment: Callable[[], Environment] = lambda: factory(**options)
