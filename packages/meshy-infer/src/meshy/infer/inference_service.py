@@ -42,6 +42,7 @@ from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, Engine, SamplingPara
 
 log = logging.getLogger(__name__)
 FINISH_ERROR = "error"
+ERROR_REASONS = 20  # distinct error texts the stats count apart (rows' errors may differ by a token id)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class InferenceServiceConfig:
 class InferenceStats:
     rows: int = 0
     errors: int = 0
+    error_reasons: dict[str, int] = field(default_factory=dict)  # rows not generated, by error (the first few)
     tokens: int = 0
     weight_updates: int = 0
     continued: int = 0  # requests aborted by a weight update and continued from their prefix
@@ -249,7 +251,12 @@ class InferenceService:
             columns[cols.TRUNCATED] = torch.tensor(columns[cols.TRUNCATED], device=HOST)
             await asyncio.to_thread(self.client.add_columns, self.config.table, rows, columns, ack=batch)
             self.stats.rows += len(rows)
-            self.stats.errors += sum(v[cols.FINISH_REASON] == FINISH_ERROR for v in values)
+            for v in values:
+                if v[cols.FINISH_REASON] == FINISH_ERROR:
+                    self.stats.errors += 1
+                    reasons = self.stats.error_reasons
+                    reason = v[cols.ERROR] if v[cols.ERROR] in reasons or len(reasons) < ERROR_REASONS else "others"
+                    reasons[reason] = reasons.get(reason, 0) + 1
 
     async def _generate(self, row_id: int, prompt: list[int], max_new_tokens: int) -> dict:
         """max_new_tokens: the row's own budget (the service's, when rows have none)."""
