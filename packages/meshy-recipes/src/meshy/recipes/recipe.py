@@ -483,6 +483,11 @@ class Recipe:
     hf_every: int = 0
     """Also keep every n-th version (0: none) as an HF directory in the run's hf_versions/, whatever `publish` is
     (the final weights are always kept)."""
+    on_task_error: Literal["stop", "drop"] = "stop"
+    """What the run does when the task's code (task.tokenizer, task.problems, task.reward,
+    task.environment) raises, or the engine cannot generate a prompt the task made: "stop" ends the run
+    within seconds, naming the field, the row and the traceback; "drop" drops the row (counted as dropped,
+    with the error, in records and `meshy inspect`) and goes on."""
     colocate: tuple[tuple[str, ...], ...] = ()
     """Groups of roles that share devices by taking turns, through a GPU token ring (e.g.
     [["training", "inference"]]); each needs >= 2 roles with equal process counts."""
@@ -526,11 +531,6 @@ class Recipe:
             raise SchemaError('algorithm.kind: "ppo" trains a learned critic; add a [roles.critic] section')
         if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
             raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
-    on_task_error: Literal["stop", "drop"] = "stop"
-    """What the run does when the task's code (task.tokenizer, task.problems, task.reward,
-    task.environment) raises, or the engine cannot generate a prompt the task made: "stop" ends the run
-    within seconds, naming the field, the row and the traceback; "drop" drops the row (counted as dropped,
-    with the error, in records and `meshy inspect`) and goes on."""
         self._check_reference(roles)
         if self.multi_turn or "environment" in roles:
             self._check_multi_turn(roles)
