@@ -1,5 +1,6 @@
 """The worked example of docs/writing-a-task.md, run as the page says: `meshy check` and `meshy run` on
-examples/reverse_task/reverse.toml from the repository's root, so the page cannot show code that fails."""
+examples/reverse_task/reverse.toml, so the page cannot show code that fails. They run from another
+directory than the repository's: the recipe names its task module (reverse.py) as the module beside it."""
 
 import json
 import subprocess
@@ -8,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPE = "examples/reverse_task/reverse.toml"
+RECIPE = str(Path(__file__).resolve().parents[2] / "examples" / "reverse_task" / "reverse.toml")
 
 
-def meshy(*args: str, timeout: float) -> subprocess.CompletedProcess:
+def meshy(cwd: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "meshy.recipes.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "meshy.recipes.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -23,26 +23,26 @@ def rewards_of(run_dir: Path) -> list[float]:
     return [m["reward_mean"] for m in map(json.loads, lines) if "reward_mean" in m]
 
 
-def run_example(runs: Path, *overrides: str, timeout: float) -> Path:
-    result = meshy("run", RECIPE, "--set", f'run_dir="{runs}"', *overrides, timeout=timeout)
+def run_example(cwd: Path, *overrides: str, timeout: float) -> Path:
+    result = meshy(cwd, "run", RECIPE, *overrides, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
-    (run_dir,) = runs.iterdir()
+    (run_dir,) = (cwd / "runs").iterdir()  # the recipe's run_dir, under the working directory
     return run_dir
 
 
 def test_the_example_task_checks_and_runs_to_its_last_version(tmp_path):
-    check = meshy("check", RECIPE, timeout=120)
+    check = meshy(tmp_path, "check", RECIPE, timeout=120)
     assert check.returncode == 0, check.stderr
     assert check.stdout.startswith("reverse-tiny: qwen3-tiny, grpo, on-policy")
 
-    run_dir = run_example(tmp_path / "runs", "--set", "steps=4", timeout=300)
+    run_dir = run_example(tmp_path, "--set", "steps=4", timeout=300)
     assert len(rewards_of(run_dir)) == 4
     assert (run_dir / "final_weights" / "config.json").is_file()
 
 
 @pytest.mark.learning
 def test_the_example_task_learns_to_reverse_strings(tmp_path):
-    rewards = rewards_of(run_example(tmp_path / "runs", timeout=1200))
+    rewards = rewards_of(run_example(tmp_path, timeout=1200))
     means = [sum(rewards[i - 20 : i]) / 20 for i in range(20, len(rewards) + 1)]
     assert means[0] < 0.1, means[0]
     assert max(means) >= 0.8, f"best 20-version mean {max(means):.3f}"
