@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 from meshy.dataplane import SchemaError
 
+_downloads_off = False  # within no_downloads()
+
 
 class NotDownloaded(SchemaError):
     """A hub file the task needs is not on this machine, and could not be downloaded now (no network, or
@@ -20,12 +22,10 @@ class NotDownloaded(SchemaError):
 def download_error(message: str, error: Exception) -> SchemaError:
     """The error for a failed download: NotDownloaded when the hub could not be reached (or was not asked),
     a plain SchemaError when it answered (no such repository or file, no access)."""
-    from huggingface_hub import constants, errors
-
-    if constants.HF_HUB_OFFLINE:  # the hub was not asked: whatever huggingface_hub says, it says at length
+    if _downloads_off:  # the hub was not asked: whatever huggingface_hub says, it says at length
         return NotDownloaded(f"{message}: it is not in this machine's hub cache, and downloads are off")
     text = f"{message} ({type(error).__name__}: {error})"
-    if isinstance(error, errors.HfHubHTTPError) and error.response is not None:
+    if getattr(error, "response", None) is not None:  # huggingface_hub's HTTP errors carry the hub's answer
         return SchemaError(text)
     return NotDownloaded(f"{text}; it is not downloaded on this machine, and the hub was not reached")
 
@@ -39,9 +39,10 @@ def no_downloads() -> Iterator[None]:
     except ImportError:  # without huggingface_hub nothing is downloaded anyway
         yield
         return
-    offline = constants.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = True
+    global _downloads_off
+    offline, off = constants.HF_HUB_OFFLINE, _downloads_off
+    constants.HF_HUB_OFFLINE = _downloads_off = True
     try:
         yield
     finally:
-        constants.HF_HUB_OFFLINE = offline
+        constants.HF_HUB_OFFLINE, _downloads_off = offline, off
