@@ -26,6 +26,7 @@ from meshy.recipes.imports import import_object
 from meshy.recipes.nodes import NODE_ADDRESS_ENV, node_address, node_rank, run_dir
 from meshy.recipes.recipe import CustomRoleSpec, Recipe, RoleSpec, load_recipe
 from meshy.recipes.servers import host_servers
+from meshy.recipes.startup import phase_done
 from meshy.recipes.task_errors import TASK_ERROR_FILE, TaskError
 from meshy.recipes.topology import Slot, assign, on_node
 from meshy.recipes.watchdog import Watchdog
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{os.environ['LOCAL_WORLD_SIZE']} here (--nproc-per-node={len(here)}; meshy check prints each node's)"
         )
     slot = here[int(os.environ["LOCAL_RANK"])]
+    if slot.rank == 0:
+        phase_done("processes started")
     torch.set_num_threads(cpu_threads(dict(recipe.roles.items())[slot.role], slot))
     if slot.devices:  # "cuda" without an index means the slot's GPU in this process, not GPU 0
         torch.cuda.set_device(slot.device)
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         recipe, slot, slot is here[0], address, store, secret, directory / "logs", lambda: import_role(recipe, slot)
     )
     endpoints = Endpoints.from_store(store)
+    if slot.rank == 0:
+        phase_done("data plane up")
     client = DataPlaneClient(endpoints, secret, recipe.dataplane, name=f"{slot.role}{slot.index}", node=slot.node)
     for spec in tables(recipe):
         client.create_table(spec)

@@ -51,9 +51,9 @@ class Progress:
             flush=True,
         )
 
-    def close(self) -> Path | None:
-        """Flush TensorBoard and draw the reward curve (and the held-out accuracy's, when the run evaluates);
-        returns the PNG's path."""
+    def close(self, recipe: str) -> Path | None:
+        """Flush TensorBoard and draw the reward curve (and the held-out accuracy's, when the run evaluates),
+        titled with the run's directory name and its `recipe`'s name; returns the PNG's path."""
         self.writer.close()
         if not self.curve and not self.eval_curve:
             return None
@@ -72,9 +72,11 @@ class Progress:
         by_version.set(xlabel="weights version", ylim=(0, 1.05))
         by_time.set(xlabel="seconds", ylim=(0, 1.05))
         by_version.legend(loc="lower right")
+        title = f"{self.run_dir.name} (recipe {recipe})"
+        figure.suptitle(title)
         figure.tight_layout()
         path = self.run_dir / "reward_curve.png"
-        figure.savefig(path)
+        figure.savefig(path, metadata={"Title": title})
         plt.close(figure)
         return path
 

@@ -37,6 +37,7 @@ from meshy.recipes.parent_death import die_with_parent
 from meshy.recipes.recipe import DEFAULT_RECIPE, Recipe, load_recipe
 from meshy.recipes.run_secret import run_secret
 from meshy.recipes.shared_dir import probe, shared_reasons
+from meshy.recipes.startup import mark_start
 from meshy.recipes.task_errors import TASK_ERROR_ADVICE, TASK_ERROR_FILE
 from meshy.recipes.task_trial import try_task
 from meshy.recipes.topology import Slot, assign, on_node
@@ -58,6 +59,7 @@ def run(
     secret_file: str | None = None,
     overrides: Sequence[Override] = (),
 ) -> int:
+    mark_start()
     if resume is not None:
         source = Path(resume) / RECIPE_FILE
         if not source.is_file():

@@ -12,6 +12,7 @@ from meshy.recipes.colocation import POLL_S, build_holding_token, join_ring, rec
 from meshy.recipes.context import RoleContext
 from meshy.recipes.dataflow import TURNS
 from meshy.recipes.engines import build_engine
+from meshy.recipes.startup import phase_done
 
 
 class InferenceRole:
@@ -98,6 +99,8 @@ class InferenceRole:
         )
         if self.engine is None:
             return None
+        if ctx.slot.index == 0:
+            phase_done("inference engine built")
         engine = self.engine
         multi_turn = ctx.recipe.multi_turn
         config = InferenceServiceConfig(

@@ -16,6 +16,7 @@ from meshy.recipes.evaluation import EVAL_DIR, EVAL_WEIGHTS, EvalFigures, EvalRe
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
 from meshy.recipes.reference_weights import publish_reference
+from meshy.recipes.startup import phase_done
 from meshy.train import checkpoint, offload
 from meshy.train.parallel import build_model
 from meshy.train.publish import CollectivePublisher, DirectoryPublisher, KeepingPublisher, SharedMemoryPublisher
@@ -79,6 +80,8 @@ class TrainingRole:
             checkpoint_dir=ctx.run_dir / "checkpoints",
         )
         self.lead = ctx.slot.index == 0
+        if self.lead:
+            phase_done("training built")
 
     def run(self) -> None:
         ctx, steps, turns = self.ctx, self.ctx.recipe.steps, self.turns
@@ -87,6 +90,9 @@ class TrainingRole:
             if ctx.recipe.roles.reference is not None:
                 publish_reference(ctx, self.trainer.model, self.arch, self.service.version)
             self.service.publish_initial()
+            if self.lead:
+                restored = " (the newest checkpoint's)" if self.service.version else ""
+                phase_done(f"version {self.service.version}{restored} published")
         progress = Progress(ctx.run_dir, steps, self._metrics()) if self.lead else None
         results = EvalResults(ctx.client) if self.lead and ctx.recipe.eval is not None else None
         self._evaluated = {m["version"] for m in self._metrics() if "eval/accuracy" in m}
@@ -95,6 +101,8 @@ class TrainingRole:
             while self.service.version < steps:
                 start = time.perf_counter()
                 batch = self.service.wait_for_batch()
+                if self.lead:
+                    phase_done("first batch ready to train")
                 with turns.turn() as turn:
                     record = self.service.train_batch(batch, waited=time.perf_counter() - start)
                     turn.payload = {"version": self.service.version}
@@ -111,7 +119,7 @@ class TrainingRole:
         if results is not None:
             self._final_eval(progress, results)
         if self.lead:
-            curve = progress.close()
+            curve = progress.close(ctx.recipe.name)
             announce_stop(ctx.client, f"trained {steps} versions")
             print(
                 f"run directory: {ctx.run_dir}\n  final weights (HF): {final}\n  reward curve: {curve}\n"
