@@ -10,10 +10,12 @@ import tomllib
 import pytest
 
 from meshy.dataplane import SchemaError
+from meshy.recipes import run as meshy_run
 from meshy.recipes.catalog import shipped
 from meshy.recipes.overrides import parse_override, recipe_as_run
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.run import run
+from meshy.recipes.startup import START_ENV
 from meshy.recipes.toml_writer import dumps
 
 
@@ -142,6 +144,18 @@ def test_the_run_directory_keeps_the_file_as_given_or_the_recipe_with_its_overri
     kept = tmp_path / "recipe.toml"
     kept.write_text(text)
     assert load_recipe(kept) == load_recipe(DEFAULT_RECIPE, overrides)
+
+
+def test_a_new_run_keeps_its_overrides_and_a_resume_runs_what_it_kept(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(meshy_run, "run_one_node", lambda recipe, directory, secret: started.append(recipe) or 0)
+    monkeypatch.setenv(START_ENV, "0")  # meshy run sets it for its ranks: undone after the test
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(DEFAULT_RECIPE.read_text().replace('run_dir = "runs"', f'run_dir = "{tmp_path / "runs"}"'))
+    assert run(str(recipe), overrides=[parse_override("steps=3"), parse_override("seed=5")]) == 0
+    (directory,) = (tmp_path / "runs").iterdir()
+    assert run(None, str(directory)) == 0
+    assert [(r.steps, r.seed) for r in started] == [(3, 5), (3, 5)]
 
 
 def test_set_with_resume_is_refused(tmp_path):

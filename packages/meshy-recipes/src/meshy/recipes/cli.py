@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--gpus-per-node", type=int, help="place roles on this many GPUs (default: what it needs)")
     check.add_argument("--nnodes", type=int, help="the nodes the recipe is laid out for (topology.nodes)")
     add_set(check)
+    sample = commands.add_parser("sample", help="answer prompts with a run's weights, on the CPU (greedy)")
+    sample.add_argument("run_dir", metavar="RUN_DIR")
+    sample.add_argument("prompts", nargs="+", metavar="PROMPT", help="asked as the recipe's task asks its questions")
+    sample.add_argument("--version", type=int, help="a weights version the run kept (default: its final weights)")
+    sample.add_argument("--max-new-tokens", type=int, help="default: the recipe's sampling.max_new_tokens")
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
     demo = commands.add_parser("demo", help="run the data-plane demo (rollout, inference, two trainer ranks)")
     demo.add_argument("--steps", type=int, default=5, help="weight versions to train (default 5)")
     code = command(parser.parse_args(argv))
@@ -116,6 +122,12 @@ def command(args: argparse.Namespace) -> int:
             print(topology(recipe, args.gpus_per_node))
             for note in notes:
                 print(f"meshy: {note}", file=sys.stderr)
+            return 0
+        if args.command == "sample":
+            from meshy.recipes.sample import sample
+
+            header, answers = sample(args.run_dir, args.prompts, args.version, args.max_new_tokens, args.temperature)
+            print(header + "".join(f"\n\nprompt: {a.prompt}\ncompletion: {a.completion}" for a in answers))
             return 0
         if args.command == "inspect":
             from meshy.recipes.inspect_run import report

@@ -59,6 +59,11 @@ class MathOptions:
         return render(self.template, messages, enable_thinking=self.enable_thinking)
 
 
+def ask(question: str, **options: Any) -> str:
+    """A question of the user's asked as `problems` asks its own (`meshy sample`)."""
+    return MathOptions(**options).prompt(question)
+
+
 def problems(seed: int, **options: Any) -> Iterator[Problem]:
     """An endless stream: generated problems, or a file's records in a new seeded order every epoch.
     Options are MathOptions' fields; they, and the file, are checked before this returns."""

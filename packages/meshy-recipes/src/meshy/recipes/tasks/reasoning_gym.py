@@ -82,6 +82,11 @@ def problems(seed: int, **options: Any) -> Iterator[Problem]:
     return _stream(dataset, opts)
 
 
+def ask(question: str, **options: Any) -> str:
+    """A question of the user's asked as `problems` asks the dataset's (`meshy sample`)."""
+    return ReasoningGymOptions(**options).prompt(question)
+
+
 def _stream(dataset: Any, opts: ReasoningGymOptions) -> Iterator[Problem]:
     index = 0
     while True:
