@@ -175,6 +175,19 @@ def test_a_run_s_processes_import_a_task_module_beside_the_recipe(tmp_path):
 
 
 # ---- multi-turn -------------------------------------------------------------------------------
+def test_a_multi_turn_task_s_conversation_is_rendered_and_tokenized_against_the_model(tmp_path):
+    from tests.recipes.test_agent_run import agent_recipe
+
+    path = agent_recipe(tmp_path)
+    path.write_text(re.sub(r"vocab_size = \d+", "vocab_size = 6", path.read_text()))
+    with pytest.raises(SchemaError) as refused:
+        try_task(load_recipe(path))
+    assert re.match(
+        r"model.overrides.vocab_size = 6 but task.tokenizer produced id \d+ for the conversation of problem 'say \d+'",
+        str(refused.value),
+    ), refused.value
+
+
 def test_the_python_math_environment_scores_a_final_answer_without_its_end_of_turn():
     """What the trial found in qwen3-1.7b-python-math-8gpu: a final turn ends with <|im_end|>, which the dapo
     reward read as part of the answer (\\frac{1}{2}<|im_end|>), scoring a right answer 0."""
@@ -231,11 +244,10 @@ def test_every_shipped_recipe_passes_its_task_trial(name, tmp_path):
 
 
 def test_meshy_check_says_what_it_did_not_try_without_the_hub(tmp_path, monkeypatch):
-    recipe = load_recipe(shipped()["qwen3-1.7b-grpo-gsm8k-1gpu"])
-    monkeypatch.setenv("HF_HOME", str(tmp_path))  # nothing downloaded
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    recipe = load_recipe(shipped()["qwen3-1.7b-grpo-gsm8k-1gpu"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing downloaded
     (note,) = try_task(recipe, downloads=False)
     assert note.startswith("task.problems: not tried here: source: no file openai/gsm8k:")
     assert "it is not in this machine's hub cache, and downloads are off" in note
