@@ -141,11 +141,14 @@ class TrainingRole:
 
     def _final_eval(self, progress: Progress, results: EvalResults) -> None:
         """The final weights' figures, which the eval role computes after the last version: waited for, up
-        to stall_after_s, saying so."""
+        to stall_after_s, saying so (unless they came with the last version's batch already)."""
         steps, limit = self.ctx.recipe.steps, self.ctx.recipe.stall_after_s
-        print(f"waiting for the eval role's figures of the final weights (v{steps}), up to {limit:.0f} s", flush=True)
-        for figures in results.wait_for(steps, limit):
-            self._eval_line(progress, figures)
+        if steps not in self._evaluated:
+            print(
+                f"waiting for the eval role's figures of the final weights (v{steps}), up to {limit:.0f} s", flush=True
+            )
+            for figures in results.wait_for(steps, limit):
+                self._eval_line(progress, figures)
         results.close()
         if steps not in self._evaluated:
             print(
