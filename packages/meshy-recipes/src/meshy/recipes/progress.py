@@ -1,28 +1,27 @@
-"""What the training role shows and keeps: a live progress line, TensorBoard scalars, the reward curve."""
+"""What the training role shows and keeps: a live progress line, the metrics' sinks (TensorBoard, experiment
+trackers), the reward curve."""
 
-import math
 import time
 from pathlib import Path
 
-from torch.utils.tensorboard import SummaryWriter
+from meshy.recipes.metric_sinks import MetricSinks
 
 
 class Progress:
-    """`earlier`: the metrics a resumed run already has, so its reward curve covers the whole run."""
+    """`earlier`: the metrics a resumed run already has, so its reward curve covers the whole run. `sinks`: where
+    each metrics line goes besides metrics.jsonl (the caller closes them)."""
 
-    def __init__(self, run_dir: Path, steps: int, earlier: list[dict]):
+    def __init__(self, run_dir: Path, steps: int, earlier: list[dict], sinks: MetricSinks):
         self.run_dir = run_dir
         self.steps = steps
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.sinks = sinks
         self.curve = [(m["version"], m["time"], m["reward_mean"]) for m in earlier if m.get("reward_mean") is not None]
         self.eval_curve = [(m["version"], m["time"], m["eval/accuracy"]) for m in earlier if "eval/accuracy" in m]
         self.start = min([t for _, t, _ in self.curve + self.eval_curve], default=time.time())
 
     def step(self, record: dict) -> None:
         version, elapsed = record["version"], record["time"] - self.start
-        for key, value in record.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                self.writer.add_scalar(key, value, version)
+        self.sinks.log(record)
         hist = record.get("staleness_histogram", {})
         tokens = sum(hist.values())
         staleness = sum(int(k.lstrip(">=")) * v for k, v in hist.items()) / tokens if tokens else 0.0
@@ -39,9 +38,7 @@ class Progress:
     def eval(self, line: dict) -> None:
         """An evaluated version's line of metrics.jsonl (meshy.recipes.evaluation.EvalFigures.metrics)."""
         version = line["version"]
-        for key, value in line.items():
-            if key.startswith("eval/"):
-                self.writer.add_scalar(key, value, version)
+        self.sinks.log(line)
         self.eval_curve.append((version, line["time"], line["eval/accuracy"]))
         passed = "".join(f"  {k[5:]} {v:.3f}" for k, v in line.items() if k.startswith("eval/pass@"))
         print(
@@ -52,9 +49,8 @@ class Progress:
         )
 
     def close(self, recipe: str) -> Path | None:
-        """Flush TensorBoard and draw the reward curve (and the held-out accuracy's, when the run evaluates),
-        titled with the run's directory name and its `recipe`'s name; returns the PNG's path."""
-        self.writer.close()
+        """Draw the reward curve (and the held-out accuracy's, when the run evaluates), titled with the run's
+        directory name and its `recipe`'s name; returns the PNG's path."""
         if not self.curve and not self.eval_curve:
             return None
         import matplotlib

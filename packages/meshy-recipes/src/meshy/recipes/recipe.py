@@ -6,6 +6,7 @@ Sections reuse the components' own configs (LossConfig, OptimConfig, ParallelCon
 """
 
 import dataclasses
+import importlib.util
 import ipaddress
 import math
 import tomllib
@@ -455,6 +456,48 @@ class EvalSpec:
             raise SchemaError(f"problems: {self.problems!r} is not 'package.module:name'")
 
 
+TRACKERS = ("wandb", "mlflow", "trackio")  # [logging]'s fields, each the package it imports and its extra
+
+
+@dataclass(frozen=True)
+class LoggingSpec:
+    """Experiment trackers beside metrics.jsonl and TensorBoard, which every run writes ([logging]; none by
+    default): each one turned on gets every metrics line under the same names, at its weights version as the
+    step, and the recipe as the run's config; its run is named after the run directory, and `meshy run
+    --resume` carries it on (meshy.recipes.metric_sinks; docs/experiment-tracking.md)."""
+
+    project: str = ""
+    """The trackers' project: wandb's project, MLflow's experiment, trackio's project (empty: the recipe's
+    name)."""
+    wandb: bool = False
+    """Log to Weights & Biases (`pip install 'meshy-recipes[wandb]'`), in the run directory's wandb/;
+    WANDB_MODE=offline keeps it there for `wandb sync`, and WANDB_ENTITY picks the team."""
+    mlflow: bool = False
+    """Log to MLflow (`pip install 'meshy-recipes[mlflow]'`), at mlflow_tracking_uri."""
+    mlflow_tracking_uri: str = ""
+    """Where MLflow runs go: a tracking server's URL or a database URI (empty: MLFLOW_TRACKING_URI, else a
+    file store in the run directory's mlruns/)."""
+    trackio: bool = False
+    """Log to trackio (`pip install 'meshy-recipes[trackio]'`), in its local store (TRACKIO_DIR, by default
+    ~/.cache/huggingface/trackio; TRACKIO_SPACE_ID or TRACKIO_SERVER_URL send it elsewhere)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for tracker in TRACKERS:
+            if getattr(self, tracker) and importlib.util.find_spec(tracker) is None:
+                raise SchemaError(
+                    f"{tracker}: true, but the {tracker} package is not installed; install it with "
+                    f"`uv pip install 'meshy-recipes[{tracker}]'` (or `pip install 'meshy-recipes[{tracker}]'`)"
+                )
+        if self.mlflow_tracking_uri and not self.mlflow:
+            raise SchemaError(
+                f"mlflow_tracking_uri: {self.mlflow_tracking_uri!r} is where MLflow runs go, and mlflow is false; "
+                "set mlflow = true, or remove it"
+            )
+        if len(self.project) > 128 or any(c in self.project for c in "/\\#?%:"):
+            raise SchemaError(f"project: expected at most 128 characters, none of / \\ # ? % :, got {self.project!r}")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A whole run: the TOML file's top-level keys and its sections."""
@@ -514,6 +557,8 @@ class Recipe:
     """The data plane's servers and waits ([dataplane])."""
     eval: EvalSpec | None = None
     """Held-out evaluation ([eval]; none by default)."""
+    logging: LoggingSpec = field(default_factory=LoggingSpec)
+    """Experiment trackers beside metrics.jsonl and TensorBoard ([logging]; none by default)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -13,6 +13,7 @@ from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.colocation import BUILD, DeviceTurns, record_released
 from meshy.recipes.context import RoleContext, announce_stop
 from meshy.recipes.evaluation import EVAL_DIR, EVAL_WEIGHTS, EvalFigures, EvalResults
+from meshy.recipes.metric_sinks import MetricSinks
 from meshy.recipes.pretrained import load_init
 from meshy.recipes.progress import Progress
 from meshy.recipes.reference_weights import publish_reference
@@ -93,31 +94,33 @@ class TrainingRole:
             if self.lead:
                 restored = " (the newest checkpoint's)" if self.service.version else ""
                 phase_done(f"version {self.service.version}{restored} published")
-        progress = Progress(ctx.run_dir, steps, self._metrics()) if self.lead else None
-        results = EvalResults(ctx.client) if self.lead and ctx.recipe.eval is not None else None
-        self._evaluated = {m["version"] for m in self._metrics() if "eval/accuracy" in m}
-        ctx.record("train_start", version=self.service.version)
-        try:
-            while self.service.version < steps:
-                start = time.perf_counter()
-                batch = self.service.wait_for_batch()
-                if self.lead:
-                    phase_done("first batch ready to train")
-                with turns.turn() as turn:
-                    record = self.service.train_batch(batch, waited=time.perf_counter() - start)
-                    turn.payload = {"version": self.service.version}
-                if progress is not None:
-                    progress.step(record)
-                    ctx.record("version", version=record["version"], reward_mean=record.get("reward_mean"))
-                if results is not None:
-                    for figures in results.drain():
-                        self._eval_line(progress, figures)
-        finally:
-            self.service.close()
-            turns.close()
-        final = self._keep_final_weights()
-        if results is not None:
-            self._final_eval(progress, results)
+        # the lead's sinks are closed as the run ends, marked failed when it ends by an exception
+        with MetricSinks.open(ctx.recipe, ctx.run_dir) if self.lead else MetricSinks([]) as sinks:
+            progress = Progress(ctx.run_dir, steps, self._metrics(), sinks) if self.lead else None
+            results = EvalResults(ctx.client) if self.lead and ctx.recipe.eval is not None else None
+            self._evaluated = {m["version"] for m in self._metrics() if "eval/accuracy" in m}
+            ctx.record("train_start", version=self.service.version)
+            try:
+                while self.service.version < steps:
+                    start = time.perf_counter()
+                    batch = self.service.wait_for_batch()
+                    if self.lead:
+                        phase_done("first batch ready to train")
+                    with turns.turn() as turn:
+                        record = self.service.train_batch(batch, waited=time.perf_counter() - start)
+                        turn.payload = {"version": self.service.version}
+                    if progress is not None:
+                        progress.step(record)
+                        ctx.record("version", version=record["version"], reward_mean=record.get("reward_mean"))
+                    if results is not None:
+                        for figures in results.drain():
+                            self._eval_line(progress, figures)
+            finally:
+                self.service.close()
+                turns.close()
+            final = self._keep_final_weights()
+            if results is not None:
+                self._final_eval(progress, results)
         if self.lead:
             curve = progress.close(ctx.recipe.name)
             announce_stop(ctx.client, f"trained {steps} versions")
