@@ -40,16 +40,22 @@ def import_object(path: str, field: str) -> Any:
 
 
 def raised(what: str, error: BaseException, caller: str = __file__) -> str:
-    """'<what> raised <Error>: <message>' and the traceback of the code that raised it, without the frames
-    of the `caller` file that called it nor of the import machinery: a user's error names their file and line."""
+    """'<what> raised <Error>: <message>' and the traceback of the code that raised it (traceback_from)."""
+    message = "".join(traceback.format_exception_only(error)).strip()
+    where = traceback_from(error, caller, with_error=False)
+    return f"{what} raised {message}" + (f"\n{where}" if where else "")
+
+
+def traceback_from(error: BaseException, caller: str, with_error: bool = True) -> str:
+    """The traceback of `error` without the frames of the `caller` file that called the code, nor of this
+    file and the import machinery: a user's error names their file and line (and then the error itself)."""
     frames = [
         f
         for f in traceback.extract_tb(error.__traceback__)
         if f.filename not in (caller, __file__) and not f.filename.startswith("<frozen importlib")
     ]
-    where = "".join(traceback.format_list(frames)).rstrip()
-    message = "".join(traceback.format_exception_only(error)).strip()
-    return f"{what} raised {message}" + (f"\n{where}" if where else "")
+    text = "".join(traceback.format_list(frames))
+    return (text + "".join(traceback.format_exception_only(error)) if with_error else text).rstrip()
 
 
 def code_dirs(recipe_file: Path) -> list[str]:

@@ -10,9 +10,10 @@ advantage and is never trained on) and the error is recorded.
 """
 
 import math
-import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from meshy.recipes.imports import traceback_from
 
 TASK_ERROR_FILE = "task_error.txt"  # under the run's logs/
 T = TypeVar("T")
@@ -37,7 +38,8 @@ def call_task(field: str, path: str, where: str, fn: Callable[..., T], *args: An
     try:
         return fn(*args)
     except Exception as e:
-        raise TaskError(field, f"{field} ({path!r}) raised {type(e).__name__}: {e}", where, user_traceback(e)) from e
+        summary = f"{field} ({path!r}) raised {type(e).__name__}: {e}"
+        raise TaskError(field, summary, where, traceback_from(e, __file__)) from e
 
 
 def checked_reward(value: Any, path: str, where: str) -> float:
@@ -58,9 +60,3 @@ def engine_error(row: int, error: str, truth: str) -> TaskError:
         "(model.overrides, e.g. vocab_size) or sampling.context_length; `meshy check` tries the task against the "
         "model before a run",
     )
-
-
-def user_traceback(error: BaseException) -> str:
-    """The traceback of `error` from the user's call on (the frame that called it left out)."""
-    frames = traceback.extract_tb(error.__traceback__)[1:]
-    return "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(error)).rstrip()

@@ -35,8 +35,8 @@ from meshy.recipes.agents.trajectory import ERROR, Trajectory, open_trajectory, 
 from meshy.recipes.agents.turn_rows import read_turn, trajectory_columns, turn_columns
 from meshy.recipes.context import RoleContext
 from meshy.recipes.dataflow import TURNS
-from meshy.recipes.imports import import_object
-from meshy.recipes.task_errors import TaskError, user_traceback
+from meshy.recipes.imports import import_object, traceback_from
+from meshy.recipes.task_errors import TaskError
 from meshy.recipes.task_trial import eos_mismatch
 from meshy.recipes.tasks.arithmetic import Problem
 
@@ -85,7 +85,7 @@ class EnvironmentRole:
         except Exception as e:  # a trajectory that cannot start has no row to drop it from: the run stops
             summary = f"task.environment ({self.ctx.recipe.task.environment!r}) raised {type(e).__name__}: {e}"
             where = f"opening problem {problem.prompt!r}"
-            raise TaskError("task.environment", summary, where, user_traceback(e)) from e
+            raise TaskError("task.environment", summary, where, traceback_from(e, __file__)) from e
 
     # ---- new trajectories ---------------------------------------------------------------------
     async def _start_loop(self, stop: asyncio.Event) -> None:
@@ -190,7 +190,7 @@ class EnvironmentRole:
             if self.ctx.recipe.on_task_error == "stop":
                 where = f"after turn {trajectory.turns} of trajectory {row} (problem {problem.prompt!r})"
                 summary = f"task.environment ({self.ctx.recipe.task.environment!r}) raised {type(e).__name__}: {e}"
-                raise TaskError("task.environment", summary, where, user_traceback(e)) from e
+                raise TaskError("task.environment", summary, where, traceback_from(e, __file__)) from e
             log.exception("environment step of trajectory %d failed", row)
             trajectory.finish_reason, trajectory.error, going = ERROR, f"environment: {type(e).__name__}: {e}", False
         return _Stepped(batch, batch.row_ids[i], row, problem, trajectory, going)
