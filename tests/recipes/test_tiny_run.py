@@ -1,6 +1,7 @@
-"""A real tiny run of the embedded default, shrunk with --set (real torchrun, real processes): what it shows
-while it starts, the recipe its directory keeps, `meshy run --resume` carrying it on, `meshy sample`
-answering with its weights, and its curve's title."""
+"""A real tiny run of the embedded default, shrunk with --set (real torchrun, real processes), as a user runs
+their own task: its module beside the recipe, started from another directory. What it shows while it
+starts, the recipe its directory keeps, `meshy run --resume` carrying it on, `meshy sample` answering with
+its weights (from yet another directory), and its curve's title."""
 
 import json
 import re
@@ -12,8 +13,9 @@ import pytest
 from PIL import Image
 
 from meshy.recipes.catalog import shipped
-from meshy.recipes.recipe import load_recipe
+from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.sample import task_prompt
+from meshy.recipes.tasks import arithmetic
 from meshy.recipes.tasks.math import MathOptions
 from meshy.recipes.tasks.reasoning_gym import ReasoningGymOptions
 
@@ -36,13 +38,25 @@ def meshy(*args: str, cwd: Path | None = None, timeout: float = 300) -> subproce
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """`meshy run --set steps=2 ...` in a fresh working directory (runs go to its runs/): the run directory
-    and what the run printed."""
-    cwd = tmp_path_factory.mktemp("tiny")
-    result = meshy("run", *(a for s in SETS for a in ("--set", s)), cwd=cwd)
+    """`meshy run recipes/recipe.toml --set steps=2 ...` from elsewhere/ (runs go to its runs/), the recipe's
+    task a module beside it (a copy of the arithmetic task): the run directory and what the run printed."""
+    base = tmp_path_factory.mktemp("tiny")
+    recipes, elsewhere = base / "recipes", base / "elsewhere"
+    recipes.mkdir(), elsewhere.mkdir()
+    (recipes / "usertask_arith.py").write_text(Path(arithmetic.__file__).read_text())
+    text = DEFAULT_RECIPE.read_text().replace('"meshy.recipes.tasks.arithmetic:', '"usertask_arith:')
+    (recipes / "recipe.toml").write_text(text)
+    result = meshy("run", str(recipes / "recipe.toml"), *(a for s in SETS for a in ("--set", s)), cwd=elsewhere)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    (run_dir,) = (cwd / "runs").iterdir()
+    (run_dir,) = (elsewhere / "runs").iterdir()
     return run_dir, result
+
+
+def test_a_run_s_processes_import_a_task_module_beside_the_recipe(tiny_run):
+    run_dir, _ = tiny_run
+    assert load_recipe(run_dir / "recipe.toml").task.reward == "usertask_arith:exact_match"
+    versions = [json.loads(line)["version"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert versions == [1, 2]
 
 
 def test_a_run_says_each_start_up_phase_as_it_is_done_before_the_first_version(tiny_run):
@@ -84,9 +98,10 @@ def test_the_reward_curve_is_titled_with_the_run_and_its_recipe(tiny_run):
     assert Image.open(run_dir / "reward_curve.png").info["Title"] == f"{run_dir.name} (recipe arithmetic-tiny)"
 
 
-def test_meshy_sample_answers_each_prompt_with_the_run_s_final_weights(tiny_run):
+def test_meshy_sample_answers_each_prompt_with_the_run_s_final_weights(tiny_run, tmp_path):
     run_dir, _ = tiny_run
-    result = meshy("sample", str(run_dir), "3+4=", "1+1=", "3+4=")
+    # from a directory of its own: the run directory says where its task's module was imported from
+    result = meshy("sample", str(run_dir), "3+4=", "1+1=", "3+4=", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     header, *answers = result.stdout.strip().split("\n\n")
     assert header == (f"meshy: {run_dir.name}: weights v2 ({run_dir / 'final_weights'}), greedy, at most 3 new tokens")

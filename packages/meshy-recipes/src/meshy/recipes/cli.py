@@ -30,10 +30,6 @@ resuming:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # A recipe names task code by import path, which the run's ranks (`python -m`) resolve from the working
-    # directory first: every command resolves it the same way, so `meshy check` sees what `meshy run` runs.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     parser = argparse.ArgumentParser(prog="meshy", description="Meshy: asynchronous RL for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
@@ -65,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
     demo = commands.add_parser("demo", help="run the data-plane demo (rollout, inference, two trainer ranks)")
     demo.add_argument("--steps", type=int, default=5, help="weight versions to train (default 5)")
-    code = command(parser.parse_args(argv))
+    try:
+        code = command(parser.parse_args(argv))
+    except BrokenPipeError:  # `meshy check ... | head`: the reader left; say nothing more (Python's own advice)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
     gc.freeze()  # the process ends here: no final collection over torch's heap at exit (~1 s of CPU)
     return code
 

@@ -2,7 +2,8 @@
 
 A user's own task module (mytask.py) may sit beside the recipe or in the current directory: `meshy check`
 and `meshy run` import from both (`import_beside`), and hand both to the run's processes
-(`code_path`), whose recipe is a copy in the run directory.
+(`code_path`), whose recipe is a copy in the run directory; the run directory records them
+(CODE_DIRS_FILE), so that `--resume` and `meshy sample` find the task from anywhere.
 """
 
 import importlib
@@ -15,6 +16,7 @@ from typing import Any
 from meshy.dataplane import SchemaError
 
 CODE_PATH_ENV = "PYTHONPATH"
+CODE_DIRS_FILE = "code_dirs.txt"  # in a run directory: where `meshy run` imported the task's code from
 
 
 def import_object(path: str, field: str) -> Any:
@@ -63,12 +65,20 @@ def code_dirs(recipe_file: Path) -> list[str]:
     shipped recipe: Meshy's own modules are beside the default one) and the current directory."""
     here = recipe_file.resolve().parent
     shipped = here.is_relative_to(Path(__file__).resolve().parent)
-    return list(dict.fromkeys([*([] if shipped else [str(here)]), os.getcwd()]))
+    recorded = here / CODE_DIRS_FILE  # the recipe is a run directory's copy
+    earlier = recorded.read_text().splitlines() if recorded.is_file() else []
+    return list(dict.fromkeys([*earlier, *([] if shipped else [str(here)]), os.getcwd()]))
+
+
+def record_code_dirs(run_dir: Path, recipe_file: Path) -> None:
+    """Keep where the recipe's task code is imported from in its run directory (CODE_DIRS_FILE)."""
+    (run_dir / CODE_DIRS_FILE).write_text("".join(f"{d}\n" for d in code_dirs(recipe_file)))
 
 
 def import_beside(recipe_file: Path) -> None:
-    """Make the modules beside `recipe_file` and in the current directory importable in this process."""
-    sys.path.extend(d for d in code_dirs(recipe_file) if d not in sys.path)
+    """Make the modules beside `recipe_file` and in the current directory importable in this process, found
+    first as in the run's processes (PYTHONPATH, and `python -m` puts the current directory first)."""
+    sys.path[:0] = [d for d in code_dirs(recipe_file) if d not in sys.path]
 
 
 def code_path(recipe_file: Path, env: dict[str, str]) -> str:

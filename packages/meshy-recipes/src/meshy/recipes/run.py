@@ -22,7 +22,7 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane.security import SECRET_ENV
 from meshy.recipes.catalog import check_nodes
 from meshy.recipes.cluster import SILENT, Cluster, parse_endpoint
-from meshy.recipes.imports import CODE_PATH_ENV, code_path, import_beside
+from meshy.recipes.imports import CODE_PATH_ENV, code_path, import_beside, record_code_dirs
 from meshy.recipes.nodes import (
     INTERFACE_ENVS,
     NODE_ADDRESS_ENV,
@@ -82,7 +82,11 @@ def run(
     if recipe.topology.nodes == 1:
         if node_rank or rdzv_endpoint:
             raise SchemaError("--node-rank, --rdzv-endpoint: the recipe runs on one node (topology.nodes = 1)")
-        directory = Path(resume) if resume else new_run_dir(recipe, text, time.strftime("%Y%m%d-%H%M%S"), False)
+        if resume:
+            directory = Path(resume)
+        else:
+            directory = new_run_dir(recipe, text, time.strftime("%Y%m%d-%H%M%S"), False)
+            record_code_dirs(directory, source)
         return run_one_node(recipe, directory, secret)
     if node_rank is None or rdzv_endpoint is None:
         raise SchemaError(

@@ -16,7 +16,7 @@ from meshy.dataplane import SchemaError
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.evaluation import response_text
-from meshy.recipes.imports import import_object
+from meshy.recipes.imports import import_beside, import_object
 from meshy.recipes.recipe import Recipe, load_recipe
 
 # A run directory's entries, as meshy.recipes.run and meshy.recipes.roles.training name them (not imported
@@ -86,6 +86,7 @@ def sample(
     if not (run_dir / RECIPE_FILE).is_file():
         raise SchemaError(f"sample: {run_dir} is not a run directory (no {RECIPE_FILE})")
     recipe = load_recipe(run_dir / RECIPE_FILE)
+    import_beside(run_dir / RECIPE_FILE)
     version, weights = weights_of(run_dir, recipe, version)
     budget = recipe.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
     params = SamplingParams(budget, temperature=temperature)  # its own checks name a bad value
