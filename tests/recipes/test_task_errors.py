@@ -74,8 +74,9 @@ def test_a_run_that_drops_rows_its_reward_raises_on_trains_on_and_says_why(tmp_p
         [sys.executable, "-m", "meshy.recipes.cli", "inspect", str(run_dir)], capture_output=True, text=True
     )
     assert inspect.returncode == 0, inspect.stderr
-    dropped = re.search(r"task errors \(on_task_error = drop\): (\d+) rows dropped", inspect.stdout)
+    dropped = re.search(r"task errors \(on_task_error = drop\): (\d+) rows dropped by rollout", inspect.stdout)
     assert dropped and int(dropped.group(1)) > 0, inspect.stdout
+    assert len(re.findall(r"(?m)^  \d+ x task.reward", inspect.stdout)) <= 10  # the most frequent, then the rest
     assert "x task.reward ('usertask:digits_reward') raised ValueError: not a number:" in inspect.stdout
     trained = re.search(r"rows trained (\d+)", inspect.stdout)
     assert trained and int(trained.group(1)) > 0, inspect.stdout

@@ -12,6 +12,8 @@ from pathlib import Path
 from meshy.dataplane import SchemaError, SequenceAudit
 from meshy.recipes.context import TRAFFIC_DIR
 
+TASK_ERRORS_SHOWN = 10  # the most frequent task errors `meshy inspect` lists one by one
+
 
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
@@ -171,9 +173,13 @@ def _task_errors(run_dir: Path) -> list[str]:
         errors.update(r["errors"])
     rows = sum(len(r["rows"]) for r in records)
     skipped = sum(not r["rows"] for r in records)
+    shown = errors.most_common(TASK_ERRORS_SHOWN)
+    rest = errors.total() - sum(n for _, n in shown)
     return [
-        f"task errors (on_task_error = drop): {rows} rows dropped, {skipped} problems skipped"
-        + "".join(f"\n  {n} x {error}" for error, n in errors.most_common())
+        f"task errors (on_task_error = drop): {rows} rows dropped by rollout (training counts those it reached "
+        f"before the run ended), {skipped} problems skipped"
+        + "".join(f"\n  {n} x {error}" for error, n in shown)
+        + (f"\n  {rest} x {len(errors) - len(shown)} other errors" if rest else "")
     ]
 
 
