@@ -68,6 +68,7 @@ def test_a_run_says_each_start_up_phase_as_it_is_done_before_the_first_version(t
     assert result.stdout.index("first batch ready to train") < result.stdout.index("step    1/2")
     # the checkpoint at version 2 was written by one training process, without DCP's single-process warning
     assert "UserWarning" not in result.stderr and "torch.distributed is disabled" not in result.stderr
+    assert "Setting OMP_NUM_THREADS" not in result.stdout + result.stderr  # torchrun's banner about threads
 
 
 @pytest.mark.slow  # a second run's start-up (test_overrides resumes in-process, without torchrun)

@@ -133,6 +133,9 @@ class Torchrun:
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
         self.stopped_by: str | None = None  # why meshy run stopped it, if it did
+        # What torchrun gives each rank anyway, given here so that it prints no banner saying so (a rank sets
+        # its own thread count: meshy.recipes.launch.cpu_threads); a user's own setting stands.
+        env = {"OMP_NUM_THREADS": "1", **env}
         self.process = subprocess.Popen(
             command, env=env, stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=die_with_parent
         )
