@@ -46,6 +46,7 @@ from meshy.train import checkpoint
 
 RECIPE_FILE = "recipe.toml"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN_REPORT = "torchrun.txt"  # under the run's logs/: torchrun's own report of a failure
 STOP_GRACE_S = 30.0  # after asking this node's torchrun to stop, how long before it is killed
 BEAT_S = 0.5
 
@@ -116,7 +117,7 @@ def run_one_node(recipe: Recipe, directory: Path, secret: bytes) -> int:
     env = {**os.environ, SECRET_ENV: secret.hex(), RUN_DIR_ENV: str(directory.resolve())}
     command = [*TORCHRUN, "--standalone", f"--nproc-per-node={recipe.world_size}", *rank_module(directory)]
     torchrun = Torchrun(command, env)
-    output = TorchrunOutput(torchrun.process)
+    output = TorchrunOutput(torchrun.process, directory / "logs" / TORCHRUN_REPORT)
     code = torchrun.process.wait()
     root = output.finish()
     if code != 0:
@@ -211,7 +212,7 @@ class NodeRun:
         ]
         torchrun = Torchrun(command, env)
         process = torchrun.process
-        output = TorchrunOutput(process)
+        output = TorchrunOutput(process, directory / "logs" / TORCHRUN_REPORT)
         stopped, stop_asked = None, 0.0
         while process.poll() is None:
             reason = self.cluster.beat() if stopped is None else None
