@@ -1,5 +1,8 @@
+import fcntl
 import multiprocessing
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,16 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import WorkStealingScheduling
 
     return WorkStealingScheduling(config, log)
+
+
+@pytest.fixture
+def sandboxes_alone():
+    """The machine's sandbox tests one at a time: a test that counts the sandbox processes it leaves behind
+    (test_sandbox's nothing_left) must not count those of a test that runs sandboxes on another worker (any
+    test that builds a code tool, which probes the sandbox by running one)."""
+    with open(Path(tempfile.gettempdir()) / "meshy-tests-sandboxes.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -362,6 +362,7 @@ def test_the_calculator_s_products_always_have_twice_the_digits_of_their_operand
     assert min(int(n) for p in sums for n in p.prompt.removesuffix("=").split("+")) == 10
 
 
+@pytest.mark.usefixtures("sandboxes_alone")
 def test_the_python_math_task_runs_the_policy_s_code_in_the_sandbox_and_scores_its_boxed_answer():
     from meshy.recipes.agents.sandbox import check_sandbox
     from meshy.recipes.tasks import python_math

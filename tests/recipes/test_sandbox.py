@@ -56,7 +56,7 @@ def sandbox_processes() -> set[tuple[str, str]]:
 
 
 @pytest.fixture
-def nothing_left():
+def nothing_left(sandboxes_alone):
     """Fails the test if a sandbox process outlives it; yields the processes there were before."""
     before = sandbox_processes()
     yield before

@@ -25,7 +25,7 @@ def test_a_run_stuck_on_a_lease_nobody_returns_reports_the_stall_and_stops_with_
     report = (run_dir / "logs" / "stall.txt").read_text()
     assert result.returncode != 0, "a stalled run is not a success"
     assert "the run made no progress for 10 s" in result.stderr and report in result.stderr
-    assert "task reward (needs response_ids, ground_truth)" in report
+    assert "task reward (needs response_ids, ground_truth, error)" in report
     assert re.search(r"\d rows leased by hoarder0-\d+-\w+ for \d+ s", report), report
     assert "task train (needs " in report and "rows waiting for reward" in report
     assert "hoarder-0: last record" in report and '"kind": "hoarding"' in report

@@ -176,6 +176,7 @@ def test_a_multi_turn_task_s_conversation_is_rendered_and_tokenized_against_the_
     ), refused.value
 
 
+@pytest.mark.usefixtures("sandboxes_alone")
 def test_the_python_math_environment_scores_a_final_answer_without_its_end_of_turn():
     """What the trial found in qwen3-1.7b-python-math-8gpu: a final turn ends with <|im_end|>, which the dapo
     reward read as part of the answer (\\frac{1}{2}<|im_end|>), scoring a right answer 0."""
@@ -216,6 +217,7 @@ def with_local_data(recipe, tmp_path: Path):
     return dataclasses.replace(recipe, task=dataclasses.replace(recipe.task, options={**options, "source": str(path)}))
 
 
+@pytest.mark.usefixtures("sandboxes_alone")  # qwen3-1.7b-python-math-8gpu's code tool probes the sandbox
 @pytest.mark.parametrize("name", sorted(shipped()))
 def test_every_shipped_recipe_passes_its_task_trial(name, tmp_path):
     recipe = with_local_data(load_recipe(shipped()[name]), tmp_path)
