@@ -217,3 +217,24 @@ def test_the_fuzzers_reach_a_valid_recipe_and_every_section():
     assert check_build(copy.deepcopy(DEFAULT)) is not None
     assert {path[0] for path, _ in SCHEMA} == {f.name for f in dataclasses.fields(Recipe)}
     assert ("roles", "critic", "processes") in {path for path, _ in SCHEMA}
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        (("roles", "inference", "processes"), "processes: expected 1 to 65536"),
+        (("roles", "rollout", "node"), "node: expected a node index from 0 to 16383"),
+        (("topology", "nodes"), "nodes: expected 1 to 16384"),
+    ],
+)
+@pytest.mark.parametrize("count", [2**31, 2**63, 10**30])
+def test_a_huge_count_is_refused_not_laid_out(path, message, count):
+    """A count no cluster has (the fuzzer found roles.inference.processes = 2**31 laid out rank by rank, until
+    the machine ran out of memory) is refused by name."""
+    data = copy.deepcopy(DEFAULT)
+    section = data
+    for key in path[:-1]:
+        section = section.setdefault(key, {})
+    section[path[-1]] = count
+    with pytest.raises(SchemaError, match=message):
+        build(Recipe, data, "recipe")

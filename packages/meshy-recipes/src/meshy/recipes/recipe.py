@@ -34,13 +34,18 @@ BUILTIN_ROLES = ("training", "inference", "rollout", "environment", "critic", "t
 RING_ROLES = ("training", "inference", "critic", "teacher", "reference", "eval")
 EVAL_SEED = 999_983  # the held-out set's default seed: the same set whatever the run's seed
 DEFAULT_RECIPE = Path(__file__).with_name("default.toml")
+# Bounds on a topology, far beyond any cluster, so that a mistyped count is refused instead of laid out
+MAX_NODES = 1 << 14
+MAX_PROCESSES = 1 << 16  # per role
 
 
 def _check_placement(spec: "RoleSpec | CustomRoleSpec") -> None:
-    if spec.processes < 1 or spec.devices_per_process < 0:
-        raise SchemaError(f"processes >= 1 and devices_per_process >= 0, got {spec}")
-    if spec.node is not None and spec.node < 0:
-        raise SchemaError(f"node: expected a node index >= 0, got {spec.node}")
+    if not 1 <= spec.processes <= MAX_PROCESSES or not 0 <= spec.devices_per_process <= MAX_PROCESSES:
+        raise SchemaError(
+            f"processes: expected 1 to {MAX_PROCESSES}, devices_per_process 0 to {MAX_PROCESSES}, got {spec}"
+        )
+    if spec.node is not None and not 0 <= spec.node < MAX_NODES:
+        raise SchemaError(f"node: expected a node index from 0 to {MAX_NODES - 1}, got {spec.node}")
     if spec.memory_fraction is not None and not 0 < spec.memory_fraction <= 1:
         raise SchemaError(f"memory_fraction: expected a fraction in (0, 1] of each GPU, got {spec.memory_fraction}")
     if spec.threads < 0:
@@ -174,8 +179,10 @@ class TopologySpec:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.nodes < 1 or (self.gpus_per_node is not None and self.gpus_per_node < 0):
-            raise SchemaError(f"nodes >= 1 and gpus_per_node >= 0, got {self.nodes}, {self.gpus_per_node}")
+        if not 1 <= self.nodes <= MAX_NODES or (self.gpus_per_node is not None and self.gpus_per_node < 0):
+            raise SchemaError(
+                f"nodes: expected 1 to {MAX_NODES}, gpus_per_node >= 0, got {self.nodes}, {self.gpus_per_node}"
+            )
         if self.addresses and len(self.addresses) != self.nodes:
             raise SchemaError(f"addresses: expected one per node ({self.nodes}), got {len(self.addresses)}")
         for address in self.addresses:
