@@ -182,6 +182,15 @@ def test_the_same_groups_train_the_same_weights_whatever_order_they_became_ready
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "bit-identical weights"
 
 
+def one_reporting_version(client, table: str, task: cols.Task, tmp_path: Path) -> dict:
+    """One version trained on two groups of `table` by a service that reports their reward: its record."""
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(table=table, task=task.name, groups_per_rank=2, batch_timeout_s=5, report_reward=True)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+    service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
+    return service.train_batch(service.wait_for_batch())
+
+
 def test_reward_mean_counts_the_rows_dynamic_sampling_dropped(client, unique, tmp_path):
     """A group whose answers were all right has no advantage and is not trained; the version's reward
     is still its own rows' reward, so a policy that gets every group right reports 1, not nothing."""
@@ -197,11 +206,7 @@ def test_reward_mean_counts_the_rows_dynamic_sampling_dropped(client, unique, tm
         cols.ADVANTAGE: [torch.zeros(0), torch.zeros(0), torch.full((3,), -1.0), torch.full((3,), 1.0)],
         cols.REWARD: torch.tensor(rewards),
     })  # fmt: skip
-    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
-    config = TrainServiceConfig(table=table, task=task.name, groups_per_rank=2, batch_timeout_s=5, report_reward=True)
-    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
-    service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
-    record = service.train_batch(service.wait_for_batch())
+    record = one_reporting_version(client, table, task, tmp_path)
     assert (record["rows_trained"], record["rows_dropped"]) == (2, 2)
     assert record["reward_mean"] == sum(rewards) / 4
 
@@ -222,11 +227,7 @@ def test_a_row_rollout_dropped_for_a_task_error_is_dropped_with_that_reason_not_
         cols.ADVANTAGE: [torch.full((3,), 1.0), torch.full((3,), -1.0), torch.zeros(0), torch.zeros(0)],
         cols.REWARD: torch.tensor([1.0, 0.0, float("nan"), float("nan")]),
     })  # fmt: skip
-    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
-    config = TrainServiceConfig(table=table, task=task.name, groups_per_rank=2, batch_timeout_s=5, report_reward=True)
-    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
-    service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
-    record = service.train_batch(service.wait_for_batch())
+    record = one_reporting_version(client, table, task, tmp_path)
     assert record["rows_trained"] == 2
     assert [d["reason"] for d in record["dropped"]] == [
         "task error: rollout dropped it (on_task_error = drop; records/rollout-*.jsonl has the error)"
