@@ -2,6 +2,7 @@
 
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -87,6 +88,25 @@ def test_whole_groups_only(client, unique):
     with pytest.raises(SchemaError, match="ack all rows of group 0 together"):
         client.ack(batch, row_ids=[0, 1])
     assert client.ack(batch).acked == [0, 1, 2, 3]
+
+
+def test_a_group_range_leases_only_its_groups_even_when_later_ones_are_ready_first(client, unique):
+    """How a trainer takes the batches of bounded pacing in order: batch 1's groups (2, 3) are ready
+    before batch 0's (0, 1), and a lease for batch 0 waits for batch 0."""
+    t = make_table(client, unique, group_size=2).name
+    client.put(t, [4, 5, 6, 7], {"reward": torch.ones(4)}, group_ids=[2, 2, 3, 3])
+    client.put(t, [0, 1, 2], {"reward": torch.zeros(3)}, group_ids=[0, 0, 1])
+    lease = partial(client.lease, t, "train", ["reward"], count=2, whole_groups=True)
+    assert lease(group_range=(0, 2), timeout=0.3) is None
+    assert lease(group_range=(0, 2), min_count=1, timeout=2).group_ids == [0, 0]
+    client.put(t, [3], {"reward": torch.zeros(1)}, group_ids=[1])
+    assert lease(group_range=(0, 2), min_count=1, timeout=2).group_ids == [1, 1]
+    assert lease(group_range=(2, 4), timeout=2).group_ids == [2, 2, 3, 3]
+    for bad in ((2, 2), (0,), ("0", 2)):
+        with pytest.raises(SchemaError, match="group_range"):
+            lease(group_range=bad, timeout=0.3)
+    with pytest.raises(SchemaError, match="group_range.*whole_groups"):
+        client.lease(t, "other", ["reward"], group_range=(0, 2), timeout=0.3)
 
 
 def test_a_conflicting_put_writes_nothing(client, unique):

@@ -182,6 +182,21 @@ def test_the_same_groups_train_the_same_weights_whatever_order_they_became_ready
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "bit-identical weights"
 
 
+def test_with_batch_groups_each_version_trains_its_own_batch_whatever_is_ready_first(client, unique, tmp_path):
+    """Bounded pacing's age bound needs batch v trained at version v: here batch 1 (groups 2, 3) is
+    ready before batch 0 (groups 0, 1), and version 0 (and its prefetch, version 1) still takes its own."""
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
+    put_groups(client, table, range(2, 4), 2, ARCH.vocab_size)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(table=table, groups_per_rank=2, batch_timeout_s=5, batch_groups=2)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig())
+    service = TrainingService(client, trainer, DirectoryPublisher(tmp_path, ARCH, dtype="float32"), config)
+    threading.Timer(0.5, put_groups, (client, table, range(2), 2, ARCH.vocab_size)).start()
+    assert service.train_batch(service.wait_for_batch())["row_ids"] == [0, 1, 2, 3]
+    assert service.train_batch(service.wait_for_batch())["row_ids"] == [4, 5, 6, 7]
+    service.close()
+
+
 def one_reporting_version(client, table: str, task: cols.Task, tmp_path: Path) -> dict:
     """One version trained on two groups of `table` by a service that reports their reward: its record."""
     model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)

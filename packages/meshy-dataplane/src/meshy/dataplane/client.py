@@ -295,11 +295,14 @@ class DataPlaneClient:
         *,
         min_count: int | None = None,
         whole_groups: bool = False,
+        group_range: tuple[int, int] | None = None,
         lease_s: float | None = None,
         timeout: float = 60.0,
     ) -> Batch | None:
         """Lease up to `count` rows (or whole groups) whose `columns` are all ready and that `task` has not
-        consumed; waits until at least `min_count` (default: count) are ready, or returns None at timeout."""
+        consumed; waits until at least `min_count` (default: count) are ready, or returns None at timeout.
+        group_range (with whole_groups): only groups with ids in [first, end), e.g. one batch's groups
+        when batches must be consumed in the order they were written."""
         spec = self.table(table)
         columns = list(columns)
         if not columns:
@@ -314,6 +317,7 @@ class DataPlaneClient:
             "task": task,
             "columns": columns,
             "whole_groups": whole_groups,
+            "group_range": None if group_range is None else list(group_range),
             "count": count,
             "min_count": count if min_count is None else min_count,
             "lease_s": lease_s,

@@ -389,11 +389,21 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             raise SchemaError(f"lease: min_count must be an int in [1, count={count}], got {min_count!r}")
         if not isinstance(task, str) or not task:
             raise SchemaError(f"lease: task must be a non-empty string, got {task!r}")
+        groups = args.get("group_range")
+        if groups is not None and not (
+            args["whole_groups"]
+            and isinstance(groups, list | tuple)
+            and len(groups) == 2
+            and all(isinstance(g, int) for g in groups)
+            and groups[0] < groups[1]
+        ):
+            raise SchemaError(f"lease: group_range must be [first, end) of ints with whole_groups, got {groups!r}")
         table.declare_task(task, args["columns"], args["whole_groups"])
 
         def attempt() -> dict | None:
             now = time.monotonic()
-            leased = table.lease(task, args["consumer"], count, min_count, args["lease_s"], now, next(self._lease_ids))
+            lease_id = next(self._lease_ids)
+            leased = table.lease(task, args["consumer"], count, min_count, args["lease_s"], now, lease_id, groups)
             if leased is None:
                 return None
             reply = asdict(leased)

@@ -11,6 +11,7 @@ which key holds each committed column.
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from meshy.dataplane.errors import LeaseLostError, RowConflictError, SchemaError
 from meshy.dataplane.schema import TableSpec
@@ -182,17 +183,26 @@ class TableState:
         return task
 
     def lease(
-        self, task_name: str, consumer: str, count: int, min_count: int, lease_s: float, now: float, lease_id: int
+        self,
+        task_name: str,
+        consumer: str,
+        count: int,
+        min_count: int,
+        lease_s: float,
+        now: float,
+        lease_id: int,
+        unit_range: tuple[int, int] | None = None,
     ) -> Leased | None:
-        """Lease up to `count` units (rows, or whole groups), or None while fewer than min_count are ready."""
+        """Lease up to `count` units (rows, or whole groups), or None while fewer than min_count are ready.
+        unit_range: only units with ids in [first, end)."""
         task = self.tasks[task_name]
         if len(task.ready) < min_count:
             return None
-        units = []
-        for unit in task.ready:
-            units.append(unit)
-            if len(units) == count:
-                break
+        first, end = unit_range if unit_range is not None else (None, None)
+        ready = iter(task.ready) if first is None else (u for u in task.ready if first <= u < end)
+        units = list(islice(ready, count))
+        if len(units) < min_count:
+            return None
         for unit in units:
             del task.ready[unit]
             task.leased[unit] = lease_id

@@ -58,7 +58,10 @@ class TrainServiceConfig:
     only the critic learns (JustRL II): their rows are acked as dropped ("critic warm-up") and the
     unchanged weights are published again, so rollout pacing goes on. routing_replay: also lease
     routed_experts and replay it in every forward (a mixture-of-experts model only). policy_mask: also
-    lease policy_mask and train only the tokens it marks (multi-turn trajectories)."""
+    lease policy_mask and train only the tokens it marks (multi-turn trajectories). batch_groups: when set,
+    version v trains the groups with ids in [v * batch_groups, (v + 1) * batch_groups), the batch rollout
+    wrote for it, even when a later batch's groups are ready first: only so does bounded pacing bound the
+    age of what is trained (None: whichever groups are ready first)."""
 
     table: str = "rollout"
     task: str = cols.TRAIN_TASK.name
@@ -75,9 +78,12 @@ class TrainServiceConfig:
     report_reward: bool = False
     routing_replay: bool = False
     policy_mask: bool = False
+    batch_groups: int | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.batch_groups is not None and self.batch_groups < 1:
+            raise SchemaError(f"TrainServiceConfig.batch_groups: expected None or >= 1, got {self.batch_groups}")
         if (
             self.groups_per_rank < 1
             or self.minibatches < 1
@@ -197,12 +203,12 @@ class TrainingService:
 
     def wait_for_batch(self) -> Batch | None:
         """This rank's rows for the next version (fetched while the previous version trained)."""
-        batch = self._next.result() if self._next is not None else self._lease()
+        batch = self._next.result() if self._next is not None else self._lease(self.version)
         if dist.is_initialized():
             # Every rank holds its rows before any rank prefetches more: a rank that started early would
             # otherwise lease, for its next version, the rows a later rank is still waiting for.
             dist.barrier()
-        self._next = self._prefetcher.submit(self._lease)
+        self._next = self._prefetcher.submit(self._lease, self.version + 1)
         return batch
 
     def train_batch(self, batch: Batch | None, waited: float = 0.0) -> dict[str, Any]:
@@ -286,10 +292,11 @@ class TrainingService:
             checkpoint.save(self.checkpoint_dir, self.version, self.trainer, cursors)
         return record
 
-    def _lease(self) -> Batch | None:
+    def _lease(self, version: int) -> Batch | None:
         """This rank's rows for a version, or None after batch_timeout_s (sooner once closing: a prefetch
         for a version that will not run, after the last one, must not hold close() for the whole wait)."""
         cfg = self.config
+        groups = None if cfg.batch_groups is None else (version * cfg.batch_groups, (version + 1) * cfg.batch_groups)
         deadline = time.monotonic() + cfg.batch_timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -299,6 +306,7 @@ class TrainingService:
                 cfg.columns,
                 count=cfg.groups_per_rank,
                 whole_groups=True,
+                group_range=groups,
                 lease_s=cfg.lease_s,
                 timeout=max(0.0, min(LEASE_SLICE_S, remaining)),
             )

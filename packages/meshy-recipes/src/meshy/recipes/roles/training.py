@@ -71,6 +71,8 @@ class TrainingRole:
             report_reward=True,
             routing_replay=algo.routing_replay,
             policy_mask=recipe.multi_turn,
+            # bounded pacing: version v trains batch v (rollout numbers batch b's groups from b * prompts_per_step)
+            batch_groups=algo.prompts_per_step if algo.window is not None else None,
         )
         self.service = TrainingService(
             ctx.client,
