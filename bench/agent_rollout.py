@@ -46,24 +46,24 @@ from pathlib import Path
 import torch
 
 from meshy.dataplane import DataPlaneClient, DataPlaneServer, Endpoints, TableSpec, new_secret
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.infer.engine import Generation
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
 from meshy.infer.torch_engine import TorchEngine
-from meshy.recipes.agents.environment import Step
+from meshy.recipes.agents.tool_environment import Step
 from meshy.recipes.agents.trajectory import MAX_TURNS, run_trajectory
 from meshy.recipes.agents.turn_rows import turn_row_id
-from meshy.recipes.context import RoleContext, announce_stop
-from meshy.recipes.dataflow import TURNS
+from meshy.recipes.prompts.chat_templates import Message
+from meshy.recipes.prompts.problem import Problem
 from meshy.recipes.recipe import AgentSpec, ModelSpec, Recipe, RoleSpec, RolesSpec, SamplingSpec, TaskSpec
+from meshy.recipes.recipe.dataflow import TURNS
+from meshy.recipes.recipe.topology import Slot
+from meshy.recipes.roles.context import RoleContext, announce_stop
 from meshy.recipes.roles.environment import EnvironmentRole
-from meshy.recipes.tasks.arithmetic import Problem
 from meshy.recipes.tasks.byte_tokenizer import ByteTokenizer
-from meshy.recipes.tasks.chat_templates import Message
-from meshy.recipes.topology import Slot
-from meshy.train.config import ParallelConfig
 from meshy.train.parallel import build_model
 from meshy.train.publish import hf_tensors
+from meshy.train.training_config import ParallelConfig
 
 TOKENIZER = ByteTokenizer()
 STOP_EVERY = 16  # a turn ends at any id that is a multiple of it

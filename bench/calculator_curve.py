@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshy.recipes.catalog import resolve
+from meshy.recipes.recipe.catalog import resolve
 
 TOOL, NO_TOOL = "true", "false"  # environment_options.tool
 TARGET = 0.9  # the mean reward the recipe promises (issue 14: from chance to >= 0.9 in 15 minutes)

@@ -42,10 +42,10 @@ from meshy.infer import sampling
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine, decode_shape
 from meshy.infer.torch_model import KVCache, ModelConfig, load_model
-from meshy.train.config import ParallelConfig
 from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher
+from meshy.train.training_config import ParallelConfig
 
 MODELS = {
     "qwen3-tiny": get_model("qwen3-tiny"),

@@ -28,13 +28,13 @@ import torch
 from meshy.dataplane import HOST
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.logprobs import forward_logits, pack_rows, token_logprobs
 from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DTYPES, hf_tensors
 from meshy.train.routing_replay import FREE, replay_routers, replay_routing
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 
 RATIO_LOW, RATIO_HIGH = 0.8, 1.25
 HEADER = (

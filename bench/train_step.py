@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from meshy.dataplane import HOST, DataPlaneClient, DataPlaneServer, new_secret
-from meshy.dataplane import rollout as cols
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
+from meshy.dataplane import columns as cols
 from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DTYPES, DirectoryPublisher, hf_tensors
 from meshy.train.service import TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 
 LR, CLIP_LOW, CLIP_HIGH, TIS_LOW, TIS_HIGH = 1e-4, 0.2, 0.28, 0.5, 5.0
 

@@ -172,8 +172,8 @@ def recipe_grpo_fields(recipe) -> dict[str, Any]:
 
 def meshy_reward(reward: Callable[[str, str], float], tokenizer) -> Callable[..., list[float]]:
     """A TRL reward function scoring as Meshy's rollout role: `reward(text, ground truth)` on the response
-    decoded up to EOS (meshy.recipes.evaluation.response_text)."""
-    from meshy.recipes.evaluation import response_text
+    decoded up to EOS (meshy.recipes.usercode.held_out.response_text)."""
+    from meshy.recipes.usercode.held_out import response_text
 
     def meshy_reward(completion_ids, ground_truth, **_):
         return [
@@ -230,9 +230,9 @@ def meshy_initial_weights(recipe, seed: int, root: Path) -> Path:
     final = root / "v000000"
     if (final / "model.safetensors").is_file():
         return final
-    from meshy.train.config import ParallelConfig
     from meshy.train.parallel import build_model
     from meshy.train.publish import DirectoryPublisher
+    from meshy.train.training_config import ParallelConfig
 
     arch = recipe.model.arch()
     model, _ = build_model(arch, ParallelConfig(), device="cpu", dtype="float32", seed=seed)
@@ -245,11 +245,11 @@ def check_default_equivalence(recipe, seed: int, model_dir: Path, tokenizer, tra
     import torch
     from transformers import AutoModelForCausalLM
 
-    from meshy.recipes.evaluation import response_text
     from meshy.recipes.tasks.arithmetic import CharTokenizer
-    from meshy.train.config import ParallelConfig
+    from meshy.recipes.usercode.held_out import response_text
     from meshy.train.logprobs import forward_logits
     from meshy.train.parallel import build_model
+    from meshy.train.training_config import ParallelConfig
 
     # Weights: HF logits of the published directory = Meshy's own model's, fp32; embeddings tied in both.
     arch = recipe.model.arch()
@@ -297,9 +297,9 @@ def check_default_equivalence(recipe, seed: int, model_dir: Path, tokenizer, tra
 def default_job(seed: int, steps: int, out: Path) -> Job:
     from datasets import Dataset
 
-    from meshy.recipes.imports import import_object
     from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
     from meshy.recipes.tasks.arithmetic import CharTokenizer
+    from meshy.recipes.usercode.imports import import_object
 
     recipe = dataclasses.replace(load_recipe(DEFAULT_RECIPE), seed=seed, steps=steps)
     algo = recipe.algorithm
@@ -344,8 +344,8 @@ def hf_tokenizer_as_fast(directory: Path, eos: int, context_length: int):
 def recipe_problems(recipe, held_out: list, count: int) -> list:
     """The first `count` problems Meshy's rollout process 0 writes: problems(seed * 1000 + 0, **options),
     without the held-out ones when the recipe evaluates."""
-    from meshy.recipes.evaluation import WithoutHeldOut
-    from meshy.recipes.imports import import_object
+    from meshy.recipes.usercode.held_out import WithoutHeldOut
+    from meshy.recipes.usercode.imports import import_object
 
     stream = import_object(recipe.task.problems, "task.problems")(recipe.seed * 1000 + 0, **recipe.task.options)
     if recipe.eval is not None:
@@ -357,10 +357,10 @@ def check_recipe_equivalence(recipe, meshy_tokenizer, prompts: list[str], traine
     """The TRL side's model, tokens, problem order and precision are Meshy's."""
     import torch
 
-    from meshy.recipes.pretrained import load_init
-    from meshy.train.config import ParallelConfig
+    from meshy.recipes.weights.pretrained import load_init
     from meshy.train.logprobs import forward_logits
     from meshy.train.parallel import build_model
+    from meshy.train.training_config import ParallelConfig
 
     # Weights: the model TRL trains gives the logits of Meshy's version 0 (model.init loaded by its trainer).
     ids = [meshy_tokenizer.encode(p) for p in prompts[:4]]
@@ -398,10 +398,10 @@ def check_recipe_equivalence(recipe, meshy_tokenizer, prompts: list[str], traine
 def recipe_job(path: Path, seed: int, steps: int) -> Job:
     from datasets import Dataset
 
-    from meshy.recipes.evaluation import held_out_problems
-    from meshy.recipes.imports import import_object
-    from meshy.recipes.pretrained import SCRATCH, resolve
     from meshy.recipes.recipe import load_recipe
+    from meshy.recipes.usercode.held_out import held_out_problems
+    from meshy.recipes.usercode.imports import import_object
+    from meshy.recipes.weights.pretrained import SCRATCH, resolve
 
     recipe = dataclasses.replace(load_recipe(path), seed=seed, steps=steps)
     refuse_unmirrored(recipe)
@@ -444,11 +444,11 @@ def held_out_callback(held_out: HeldOut, clock: Clock, steps_file):
     trainer's model, at steps 0 (before training), every eval.every-th and the last; its time is excluded
     from the clock. Each answer: at most eval_max_new_tokens tokens, greedy (or eval.samples answers at
     eval.temperature, no truncation), scored by the recipe's reward on response_text; one line of figures
-    (meshy.recipes.evaluation.figures) per evaluated step in steps.jsonl."""
+    (meshy.recipes.usercode.held_out.figures) per evaluated step in steps.jsonl."""
     import torch
     from transformers import GenerationConfig, TrainerCallback
 
-    from meshy.recipes.evaluation import evaluated, figures, response_text
+    from meshy.recipes.usercode.held_out import evaluated, figures, response_text
 
     recipe, spec, tokenizer = held_out.recipe, held_out.recipe.eval, held_out.tokenizer
     prompts = [tokenizer.encode(p.prompt) for p in held_out.problems]

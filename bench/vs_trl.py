@@ -52,8 +52,8 @@ from pathlib import Path
 from calculator_curve import cell, lines
 from trl_grpo import TARGET, WINDOW, steps_to_target
 
-from meshy.recipes.catalog import shipped
 from meshy.recipes.recipe import DEFAULT_RECIPE, CustomRoleSpec, load_recipe
+from meshy.recipes.recipe.catalog import shipped
 
 BENCH = Path(__file__).resolve().parent
 SMOLLM2_RECIPE = shipped()["smollm2-135m-arithmetic-cpu"]

@@ -41,10 +41,10 @@ import torch.distributed as dist
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import COLLECTIVE, Published
 from meshy.infer.torch_engine import TorchEngine
-from meshy.train.config import ParallelConfig
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
+from meshy.train.training_config import ParallelConfig
 
 TRANSPORTS = ("disk", "shared-memory", "collective", "collective+delta")
 

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from meshy.recipes.recipe import load_recipe
-from meshy.recipes.topology import assign
+from meshy.recipes.recipe.topology import assign
 from tests.benches import load_bench
 
 

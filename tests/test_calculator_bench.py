@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from meshy.recipes.catalog import shipped
 from meshy.recipes.recipe import load_recipe
+from meshy.recipes.recipe.catalog import shipped
 from tests.benches import load_bench
 
 

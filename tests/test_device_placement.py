@@ -14,20 +14,20 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.infer.engine import SamplingParams
 from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
 from meshy.infer.torch_engine import TorchEngine, _Request, _Scheduler
 from meshy.infer.torch_model import ModelConfig, load_model
 from meshy.train import offload
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
-from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
+from meshy.train.critic_service import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, hf_tensors
 from meshy.train.routing_replay import FREE
 from meshy.train.service import TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 from tests.train.rows import add_routing, put_groups
 
 ARCH = get_model("qwen3-tiny")

@@ -1,6 +1,6 @@
 """The tasks declared beside the rollout columns form a flow in which every read column has a writer."""
 
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 
 EVERY_OPTION = (
     cols.PROMPTS_TASK,

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from meshy.dataplane import HOST, SchemaError
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.infer.engine import SamplingParams
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
 from meshy.infer.torch_engine import TorchEngine, _Request, _Scheduler
 from meshy.infer.torch_model import ModelConfig, _Causal, load_model
-from meshy.train.config import ParallelConfig
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, hf_tensors
+from meshy.train.training_config import ParallelConfig
 from tests.infer.test_torch_engine import ARCH as DENSE
 from tests.infer.test_torch_engine import sharp_weights
 

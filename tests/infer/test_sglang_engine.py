@@ -27,10 +27,10 @@ from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import CorruptWeights, Published, read_published
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH
 from meshy.infer.torch_engine import TorchEngine
-from meshy.train.config import ParallelConfig
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
+from meshy.train.training_config import ParallelConfig
 from tests.infer.conformance import EngineConformance, EngineSpec, async_case, greedy, probe, prompt
 
 pytestmark = pytest.mark.sglang

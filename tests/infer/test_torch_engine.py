@@ -17,11 +17,11 @@ from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineC
 from meshy.infer.slot_state import HELD, POSITION
 from meshy.infer.torch_engine import ADMISSION_SHARE, TorchEngine, _Request, _Scheduler
 from meshy.infer.torch_model import DecoderModel, ModelConfig, load_model
-from meshy.train.config import ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher, hf_tensors
+from meshy.train.training_config import ParallelConfig
 from tests.infer.conformance import EngineConformance, EngineSpec, async_case, greedy, prompt
 
 ARCH = get_model("qwen3-tiny")

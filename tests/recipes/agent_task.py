@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import torch
 
-from meshy.dataplane import rollout as cols
-from meshy.recipes.agents.environment import Step
+from meshy.dataplane import columns as cols
+from meshy.recipes.agents.tool_environment import Step
 from meshy.recipes.agents.trajectory import NO_VERSION
-from meshy.recipes.context import RoleContext
-from meshy.recipes.tasks.arithmetic import Problem
-from meshy.recipes.tasks.chat_templates import Message, observation
+from meshy.recipes.prompts.chat_templates import Message, observation
+from meshy.recipes.prompts.problem import Problem
+from meshy.recipes.roles.context import RoleContext
 
 MARKERS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")  # <|im_end|>: the model's eos, 2
 CHARACTERS = "\n ?<>/_|abcdefghijklmnopqrstuvwxyz0123456789+="

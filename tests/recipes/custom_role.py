@@ -4,8 +4,8 @@ row is freed before it has scored it; when the run stops it scores what is left,
 
 import torch
 
-from meshy.dataplane import rollout as cols
-from meshy.recipes.context import RoleContext
+from meshy.dataplane import columns as cols
+from meshy.recipes.roles.context import RoleContext
 
 
 class LengthScorer:

@@ -3,8 +3,8 @@ and never gives them back, the way a hung scorer or engine would."""
 
 import time
 
-from meshy.dataplane import rollout as cols
-from meshy.recipes.context import RoleContext
+from meshy.dataplane import columns as cols
+from meshy.recipes.roles.context import RoleContext
 
 
 class Hoarder:

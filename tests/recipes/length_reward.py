@@ -7,4 +7,4 @@ def length_reward(response: str, ground_truth: str) -> float:
     return len(response) / 1000
 
 
-length_reward.perfect_response = None  # it pays for length, not for a right answer (meshy.recipes.task_trial)
+length_reward.perfect_response = None  # it pays for length, not for a right answer (meshy.recipes.usercode.task_trial)

@@ -14,5 +14,5 @@ def answer_parity_reward(response: str, ground_truth: str) -> float:
 
 
 # Stand-ins that pay for something else than a right answer: none gets full marks for being right, so
-# meshy check does not try them on one (meshy.recipes.task_trial).
+# meshy check does not try them on one (meshy.recipes.usercode.task_trial).
 parity_reward.perfect_response = answer_parity_reward.perfect_response = None

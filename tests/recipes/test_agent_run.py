@@ -5,7 +5,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from meshy.recipes.inspect_run import report
+from meshy.recipes.observe.inspect_run import report
 from tests.recipes.agent_task import SmallTokenizer
 from tests.recipes.test_pipeline import records, run
 

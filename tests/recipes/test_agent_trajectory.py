@@ -13,7 +13,7 @@ import torch
 from meshy.dataplane import SchemaError
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
 from meshy.infer.torch_engine import TorchEngine
-from meshy.recipes.agents.environment import Step, ToolEnvironment, restore_state, saved_state
+from meshy.recipes.agents.tool_environment import Step, ToolEnvironment, restore_state, saved_state
 from meshy.recipes.agents.tools import MALFORMED, Tool, ToolBox
 from meshy.recipes.agents.trajectory import (
     DEADLINE,
@@ -24,13 +24,13 @@ from meshy.recipes.agents.trajectory import (
     AgentLimits,
     run_trajectory,
 )
+from meshy.recipes.prompts.chat_templates import Message, observation, render
 from meshy.recipes.tasks import calculator
 from meshy.recipes.tasks.byte_tokenizer import ByteTokenizer
-from meshy.recipes.tasks.chat_templates import Message, observation, render
-from meshy.train.config import ParallelConfig
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import hf_tensors
+from meshy.train.training_config import ParallelConfig
 
 TOKENIZER = ByteTokenizer()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from meshy.recipes.catalog import shipped
+from meshy.recipes.recipe.catalog import shipped
 from tests.recipes.learning_run import WINDOW, first_reached, run_until_learned
 from tests.recipes.test_pipeline import records, repo_env
 

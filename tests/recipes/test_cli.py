@@ -81,7 +81,7 @@ def test_meshy_check_names_what_is_wrong(tmp_path):
 
 
 def test_meshy_inspect_reports_what_each_process_kept_on_its_gpu_after_handing_it_over(tmp_path):
-    from meshy.recipes.inspect_run import report
+    from meshy.recipes.observe.inspect_run import report
 
     (tmp_path / "records").mkdir()
     released = [{"kind": "released", "time": 1.0, "allocated": 0, "reserved": r << 20} for r in (2, 6, 4)]
@@ -93,7 +93,7 @@ def test_meshy_inspect_reports_what_each_process_kept_on_its_gpu_after_handing_i
 
 
 def test_meshy_inspect_counts_device_turns_that_overlapped(tmp_path):
-    from meshy.recipes.inspect_run import report
+    from meshy.recipes.observe.inspect_run import report
 
     (tmp_path / "records").mkdir()
     ring = "training+critic-0"
@@ -113,7 +113,7 @@ def test_meshy_inspect_counts_device_turns_that_overlapped(tmp_path):
 
 
 def test_meshy_inspect_reports_the_least_gpu_memory_a_member_found_free_as_it_got_the_token(tmp_path):
-    from meshy.recipes.inspect_run import report
+    from meshy.recipes.observe.inspect_run import report
 
     (tmp_path / "records").mkdir()
     grant = {"kind": "grant", "time": 0.0, "ring": "training+inference-0", "payload": None, "holder": "inference"}
@@ -123,7 +123,7 @@ def test_meshy_inspect_reports_the_least_gpu_memory_a_member_found_free_as_it_go
 
 
 def test_meshy_inspect_counts_a_multi_turn_run_s_turns_tool_calls_errors_and_latency(tmp_path):
-    from meshy.recipes.inspect_run import report
+    from meshy.recipes.observe.inspect_run import report
 
     (tmp_path / "records").mkdir()
 

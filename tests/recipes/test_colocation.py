@@ -10,12 +10,12 @@ import uuid
 
 import pytest
 
-import meshy.recipes.colocation as colocation
+import meshy.recipes.roles.colocation as colocation
 from meshy.dataplane import DataPlaneClient, DataPlaneTimeout
-from meshy.recipes.colocation import BUILD, DeviceTurns, build_holding_token, join_ring
-from meshy.recipes.context import RoleContext
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
-from meshy.recipes.topology import Slot
+from meshy.recipes.recipe.topology import Slot
+from meshy.recipes.roles.colocation import BUILD, DeviceTurns, build_holding_token, join_ring
+from meshy.recipes.roles.context import RoleContext
 
 
 @pytest.fixture

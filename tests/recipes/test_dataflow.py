@@ -6,10 +6,10 @@ import itertools
 import pytest
 
 from meshy.dataplane import SchemaError
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.recipes.cli import main
-from meshy.recipes.dataflow import recipe_tasks, rollout_table
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
+from meshy.recipes.recipe.dataflow import recipe_tasks, rollout_table
 
 DEFAULT = DEFAULT_RECIPE.read_text()
 

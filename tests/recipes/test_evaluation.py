@@ -5,10 +5,11 @@ import itertools
 import pytest
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.evaluation import MAX_SKIPPED_IN_A_ROW, WithoutHeldOut, evaluated, figures, held_out_problems
+from meshy.recipes.prompts.problem import Problem
 from meshy.recipes.recipe import DEFAULT_RECIPE, EVAL_SEED, RoleSpec, load_recipe
-from meshy.recipes.tasks.arithmetic import Problem, problems
-from meshy.recipes.topology import assign
+from meshy.recipes.recipe.topology import assign
+from meshy.recipes.tasks.arithmetic import problems
+from meshy.recipes.usercode.held_out import MAX_SKIPPED_IN_A_ROW, WithoutHeldOut, evaluated, figures, held_out_problems
 
 DEFAULT = DEFAULT_RECIPE.read_text()
 WIDE = DEFAULT.replace("max_operand = 4", "max_operand = 9")  # 100 problems: room to hold some out

@@ -18,10 +18,10 @@ def imported_after(code: str) -> set[str]:
 
 def test_meshy_run_validates_a_recipe_and_lays_out_its_processes_without_the_data_plane_or_torchtitan():
     code = (
-        "from meshy.recipes import cli, run\n"
-        "from meshy.recipes.catalog import resolve, topology\n"
+        "from meshy.recipes import cli\nfrom meshy.recipes.launch import run\n"
+        "from meshy.recipes.recipe.catalog import resolve, topology\n"
         "from meshy.recipes.recipe import load_recipe\n"
-        "from meshy.recipes.task_trial import try_task\n"
+        "from meshy.recipes.usercode.task_trial import try_task\n"
         "print(topology(load_recipe(resolve('calculator-tiny-cpu'))))\n"
         "for name in ('calculator-tiny-cpu', 'default'):\n"
         "    try_task(load_recipe(resolve(name)))"  # what meshy check and meshy run try before any rank starts
@@ -31,7 +31,7 @@ def test_meshy_run_validates_a_recipe_and_lays_out_its_processes_without_the_dat
 
 def test_a_rank_whose_role_never_trains_does_not_import_torchtitan():
     roles = ("inference", "rollout", "environment", "teacher")
-    code = "import meshy.recipes.launch\n" + "".join(f"import meshy.recipes.roles.{role}\n" for role in roles)
+    code = "import meshy.recipes.launch.rank\n" + "".join(f"import meshy.recipes.roles.{role}\n" for role in roles)
     assert imported_after(code) == {"transfer_queue", "tensordict", "ray"}
 
 

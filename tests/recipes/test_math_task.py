@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from meshy.dataplane import SchemaError
+from meshy.recipes.prompts.chat_templates import Message, observation, render, render_minicpm5, render_qwen3
+from meshy.recipes.prompts.problem import Problem
 from meshy.recipes.tasks import math_reward
-from meshy.recipes.tasks.arithmetic import Problem
-from meshy.recipes.tasks.chat_templates import Message, observation, render, render_minicpm5, render_qwen3
 from meshy.recipes.tasks.math import BOXED_INSTRUCTION, problems
 from meshy.recipes.tasks.math_data import Record, generated_records, load_records
 from meshy.recipes.tasks.math_reward import (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.metric_sinks import TRACKERS_FILE, MetricSinks
+from meshy.recipes.observe.metric_sinks import TRACKERS_FILE, MetricSinks
 from meshy.recipes.recipe import Recipe, load_recipe
 from tests.recipes.offline import block_network
 from tests.recipes.test_pipeline import records, repo_env, small_recipe
@@ -73,7 +73,7 @@ def test_logging_is_off_by_default_and_no_tracker_is_imported_unless_turned_on(t
     code = (
         "import sys, json\nfrom pathlib import Path\n"
         "from meshy.recipes.recipe import load_recipe\nimport meshy.recipes.roles.training\n"
-        "from meshy.recipes.metric_sinks import MetricSinks\n"
+        "from meshy.recipes.observe.metric_sinks import MetricSinks\n"
         f"load_recipe({str(recipe)!r})\n"
         f"with MetricSinks.open(load_recipe(), Path({str(tmp_path)!r})) as sinks:\n"
         "    sinks.log({'version': 1, 'time': 0.0, 'loss': 0.5})\n"

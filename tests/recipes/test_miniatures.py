@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from meshy.recipes.catalog import gpus_needed, shipped
 from meshy.recipes.recipe import load_recipe
+from meshy.recipes.recipe.catalog import gpus_needed, shipped
 from meshy.recipes.roles.rollout import FREE_BATCHES
 from meshy.train import checkpoint
 from tests.infer.test_sglang_engine import use_stub_kernels

@@ -15,10 +15,10 @@ import pytest
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.security import SECRET_ENV
-from meshy.recipes.cluster import Cluster
-from meshy.recipes.inspect_run import report
-from meshy.recipes.run_secret import run_secret
-from meshy.recipes.shared_dir import probe
+from meshy.recipes.launch.cluster import Cluster
+from meshy.recipes.launch.run_secret import run_secret
+from meshy.recipes.launch.shared_dir import probe
+from meshy.recipes.observe.inspect_run import report
 from tests.recipes.test_default_run import per_version
 from tests.recipes.test_faults import children, victim_pid
 from tests.recipes.test_pipeline import REPO, check_run, kill_tree, small_recipe
@@ -298,7 +298,7 @@ def test_the_default_recipe_split_over_two_nodes_climbs_past_0_9_with_each_produ
 
 @pytest.mark.slow
 def test_plain_torchrun_on_each_node_runs_the_recipe_over_both(tmp_path):
-    """The same run without `meshy run`: `torchrun --nnodes 2 --node-rank R ... -m meshy.recipes.launch
+    """The same run without `meshy run`: `torchrun --nnodes 2 --node-rank R ... -m meshy.recipes.launch.rank
     RECIPE` on each node (torchrun's static rendezvous), the secret in the environment. Each rank takes
     its node from torchrun's node rank; the run trains every version once."""
     recipe = long_split_recipe(tmp_path, STEPS)
@@ -317,7 +317,7 @@ def test_plain_torchrun_on_each_node_runs_the_recipe_over_both(tmp_path):
                 f"--master-port={port}",
                 "--max-restarts=0",
                 "-m",
-                "meshy.recipes.launch",
+                "meshy.recipes.launch.rank",
                 str(recipe),
             ],
             env=env,

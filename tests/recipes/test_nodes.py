@@ -7,7 +7,7 @@ import pytest
 
 from meshy.dataplane import SchemaError
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
-from meshy.recipes.topology import assign, on_node
+from meshy.recipes.recipe.topology import assign, on_node
 
 DEFAULT = DEFAULT_RECIPE.read_text()
 
@@ -194,7 +194,7 @@ def test_meshy_check_prints_which_node_and_rank_runs_which_role_and_refuses_othe
 
 
 def test_the_shipped_two_node_recipes_are_listed_with_their_nodes():
-    from meshy.recipes.catalog import listing
+    from meshy.recipes.recipe.catalog import listing
 
     rows = {line.split()[0]: line for line in listing().splitlines()}
     assert "  2 x 8 GPU  grpo, fully asynchronous" in rows["qwen3-1.7b-grpo-dapo-2x8gpu"]

@@ -1,5 +1,5 @@
 """`--set FIELD=VALUE`: parsed as TOML values, applied to the recipe's data and typed and checked as the
-file's own values; the run directory's recipe.toml written with them (meshy.recipes.toml_writer)."""
+file's own values; the run directory's recipe.toml written with them (meshy.recipes.recipe.toml_writer)."""
 
 import datetime
 import math
@@ -10,13 +10,13 @@ import tomllib
 import pytest
 
 from meshy.dataplane import SchemaError
-from meshy.recipes import run as meshy_run
-from meshy.recipes.catalog import shipped
-from meshy.recipes.overrides import parse_override, recipe_as_run
+from meshy.recipes.launch import run as meshy_run
+from meshy.recipes.launch.run import run
+from meshy.recipes.launch.startup import START_ENV
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
-from meshy.recipes.run import run
-from meshy.recipes.startup import START_ENV
-from meshy.recipes.toml_writer import dumps
+from meshy.recipes.recipe.catalog import shipped
+from meshy.recipes.recipe.overrides import parse_override, recipe_as_run
+from meshy.recipes.recipe.toml_writer import dumps
 
 
 def overridden(*texts: str):

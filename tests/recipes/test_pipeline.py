@@ -18,9 +18,9 @@ from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.model_source import read_model
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.roles.rollout import FREE_BATCHES
-from meshy.train.config import ParallelConfig
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, hf_tensors
+from meshy.train.training_config import ParallelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, GROUPS, GROUP = 4, 4, 4

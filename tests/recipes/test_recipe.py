@@ -5,7 +5,7 @@ import pytest
 
 from meshy.dataplane import SchemaError
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
-from meshy.recipes.topology import assign
+from meshy.recipes.recipe.topology import assign
 
 DEFAULT = DEFAULT_RECIPE.read_text()
 
@@ -196,8 +196,8 @@ def multi_turn(text: str) -> str:
 
 
 def test_a_multi_turn_recipe_runs_an_environment_role_and_a_turns_table(tmp_path):
-    from meshy.dataplane import rollout as cols
-    from meshy.recipes.dataflow import recipe_tasks, tables
+    from meshy.dataplane import columns as cols
+    from meshy.recipes.recipe.dataflow import recipe_tasks, tables
 
     recipe = recipe_from(tmp_path, multi_turn(DEFAULT))
     assert recipe.multi_turn and recipe.world_size == 4
@@ -228,8 +228,8 @@ def test_kl_to_the_reference_runs_a_reference_role_that_may_share_the_trainer_s_
 
 
 def test_a_routing_replay_recipe_declares_the_routed_experts_column(tmp_path):
-    from meshy.dataplane import rollout as cols
-    from meshy.recipes.dataflow import rollout_table
+    from meshy.dataplane import columns as cols
+    from meshy.recipes.recipe.dataflow import rollout_table
 
     recipe = recipe_from(tmp_path, moe_replay(DEFAULT))
     assert recipe.algorithm.routing_replay

@@ -1,11 +1,11 @@
-"""The recipe reference (meshy.recipes.reference): every recipe field documented, every one rendered."""
+"""The recipe reference (meshy.recipes.recipe.field_reference): every recipe field documented, every one rendered."""
 
 import dataclasses
 import typing
 from dataclasses import dataclass, field
 
 from meshy.recipes.recipe import ModelSpec, Recipe
-from meshy.recipes.reference import field_docs, render, undocumented
+from meshy.recipes.recipe.field_reference import field_docs, render, undocumented
 
 
 def field_paths(cls: type, prefix: str = "") -> list[str]:
@@ -79,5 +79,5 @@ def test_the_reference_lists_every_field_path_with_its_type_default_and_doc():
     assert "| `model.teacher` | str \\| None | *unset* |" in page
     assert "| `eval` | table [`[eval]`](#eval) | *absent* |" in page
     # A docstring's text, on one line, with what Markdown would take for HTML escaped.
-    assert '"hf:&lt;owner/name&gt;" or "gguf:&lt;name&gt;" (meshy.recipes.pretrained). |' in page
+    assert '"hf:&lt;owner/name&gt;" or "gguf:&lt;name&gt;" (meshy.recipes.weights.pretrained). |' in page
     assert "## `[roles.custom]`" not in page and "## `[[roles.custom]]`" in page

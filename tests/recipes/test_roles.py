@@ -8,14 +8,14 @@ import torch
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.model_source import read_model
-from meshy.recipes.context import RoleContext
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
-from meshy.recipes.reference_weights import publish_reference, wait_for_reference
+from meshy.recipes.recipe.topology import assign
+from meshy.recipes.roles.context import RoleContext
 from meshy.recipes.roles.critic import CriticRole
-from meshy.recipes.topology import assign
-from meshy.train.config import ParallelConfig
+from meshy.recipes.roles.reference_weights import publish_reference, wait_for_reference
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, hf_tensors
+from meshy.train.training_config import ParallelConfig
 
 
 def test_the_critic_loads_the_policy_init_and_its_value_head_starts_at_initial_value(tmp_path):
@@ -66,8 +66,8 @@ def test_the_reference_weights_are_version_0_kept_and_announced_again_when_a_run
 def test_an_sglang_engine_is_started_on_its_role_s_own_gpus(monkeypatch, tmp_path):
     """SGLang is given the slot's first GPU and its GPU count, not the node's GPU 0 for every process."""
     import meshy.infer.sglang_engine as sglang_engine
-    from meshy.recipes.engines import build_engine
-    from meshy.recipes.topology import Slot
+    from meshy.recipes.recipe.topology import Slot
+    from meshy.recipes.roles.engines import build_engine
 
     started = {}
     monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda source, **kwargs: started.update(kwargs))
@@ -83,7 +83,7 @@ def test_an_sglang_engine_is_started_on_its_role_s_own_gpus(monkeypatch, tmp_pat
 def test_a_role_on_a_cpu_slot_builds_on_the_cpu_even_where_cuda_exists(monkeypatch, tmp_path):
     """The slot decides where a role's tensors live: the default recipe's roles have no GPUs, so on a
     GPU host they still train and generate on the CPU (and publish what the CPU computes)."""
-    from meshy.recipes.engines import build_engine
+    from meshy.recipes.roles.engines import build_engine
     from meshy.recipes.roles.training import TrainingRole
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -107,7 +107,7 @@ def training_weights(training, tmp_path):
 
 def test_the_recipe_s_model_dtype_reaches_trainer_publisher_and_engines(monkeypatch, tmp_path):
     import meshy.infer.sglang_engine as sglang_engine
-    from meshy.recipes.engines import build_engine
+    from meshy.recipes.roles.engines import build_engine
     from meshy.recipes.roles.training import TrainingRole
 
     text = DEFAULT_RECIPE.read_text().replace('name = "qwen3-tiny"', 'name = "qwen3-tiny"\ndtype = "bfloat16"')
@@ -175,7 +175,7 @@ def test_a_routing_replay_run_on_sglang_records_routing_where_it_generates(monke
     """The inference role's SGLang engine reports each token's experts and holds generation in abort mode
     (meshy.infer.sglang_engine says why); engines built to score only (reference, teacher) record nothing."""
     import meshy.infer.sglang_engine as sglang_engine
-    from meshy.recipes.engines import build_engine
+    from meshy.recipes.roles.engines import build_engine
     from tests.recipes.test_recipe import moe_replay
 
     started = {}

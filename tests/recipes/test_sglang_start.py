@@ -1,5 +1,5 @@
 """Every shipped GPU recipe's SGLang engines, started at their real size as far as SGLang checks before it
-touches a GPU: each inference and teacher process builds its engine as a run would (meshy.recipes.engines),
+touches a GPU: each inference and teacher process builds its engine as a run would (meshy.recipes.roles.engines),
 from a directory of the real model's config.json and tensor headers (the files are sparse: no weights), and
 SGLang's own checks (ServerArgs, resolved and checked as sglang.Engine does, and its ModelConfig) take what
 SGLangEngine passes to sglang.Engine, with the environment it sets meanwhile. A miniature swaps in a tiny
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshy.recipes.catalog import gpus_needed, shipped
-from meshy.recipes.context import RoleContext
-from meshy.recipes.engines import build_engine
 from meshy.recipes.recipe import Recipe, load_recipe
-from meshy.recipes.topology import assign
+from meshy.recipes.recipe.catalog import gpus_needed, shipped
+from meshy.recipes.recipe.topology import assign
+from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.engines import build_engine
 from meshy.train.models import DecoderArch, get_model
 from meshy.train.titan_models import state_dict_adapter, titan_config
 from tests.infer.test_sglang_engine import Started, replace_sglang_engine

@@ -2,9 +2,9 @@
 
 import pytest
 
-from meshy.recipes.catalog import check_imports, gpus_needed, shipped, topology
 from meshy.recipes.recipe import load_recipe
-from meshy.recipes.topology import assign
+from meshy.recipes.recipe.catalog import check_imports, gpus_needed, shipped, topology
+from meshy.recipes.recipe.topology import assign
 
 EXPECTED_GPUS = {
     "qwen3-1.7b-grpo-gsm8k-1gpu": 1,

@@ -16,17 +16,17 @@ from safetensors.torch import load_file
 from meshy.dataplane import SchemaError
 from meshy.infer.engine import FINISH_STOP, SamplingParams
 from meshy.infer.torch_engine import TorchEngine
-from meshy.recipes import pretrained
-from meshy.recipes.gguf_convert import _unpermute
+from meshy.recipes.prompts.chat_templates import Message, render
 from meshy.recipes.recipe import ModelSpec, load_recipe
 from meshy.recipes.tasks import reasoning_gym
-from meshy.recipes.tasks.chat_templates import Message, render
 from meshy.recipes.tasks.hf_tokenizer import HFTokenizer
-from meshy.train.config import ParallelConfig
+from meshy.recipes.weights import pretrained
+from meshy.recipes.weights.gguf import _unpermute
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model, load_weights
 from meshy.train.publish import hf_tensors
+from meshy.train.training_config import ParallelConfig
 from tests.recipes.test_pipeline import meshy_run, records
 from tests.recipes.test_smollm2_tools import CALC, TOOLS_SYSTEM
 
@@ -236,7 +236,7 @@ def test_resolve_converts_once_into_the_cache_atomically(tmp_path, monkeypatch):
             raise RuntimeError("interrupted")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr("meshy.recipes.gguf_convert.convert_gguf", fake_convert)
+    monkeypatch.setattr("meshy.recipes.weights.gguf.convert_gguf", fake_convert)
     with pytest.raises(RuntimeError, match="interrupted"):
         pretrained.resolve(SMOLLM2_INSTRUCT)
     assert [p.name for p in (tmp_path / "meshy" / "models").iterdir() if not p.name.endswith(".lock")] == []

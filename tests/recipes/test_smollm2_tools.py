@@ -13,8 +13,8 @@ from meshy.infer.engine import FINISH_STOP
 from meshy.recipes.agents.tool_calls import MalformedToolCall, ToolCall, parse_tool_calls, write_tool_calls
 from meshy.recipes.agents.tools import MALFORMED
 from meshy.recipes.agents.trajectory import DONE, run_trajectory
+from meshy.recipes.prompts.chat_templates import Message, observation, render
 from meshy.recipes.tasks import calculator
-from meshy.recipes.tasks.chat_templates import Message, observation, render
 from tests.recipes.test_agent_trajectory import LIMITS, TOKENIZER, ScriptedPolicy
 
 CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {}}}

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from meshy.dataplane import FALLBACK, ON_DEMAND, DataPlaneClient, GpuTokenRing
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.dataplane.devices import HOST
-from meshy.recipes.watchdog import Watchdog
+from meshy.recipes.launch.watchdog import Watchdog
 from tests.recipes.test_pipeline import meshy_run, small_recipe
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshy.recipes.recipe import DEFAULT_RECIPE
-from meshy.recipes.task_errors import TASK_ERROR_FILE, TaskError, call_task, checked_reward
+from meshy.recipes.usercode.task_errors import TASK_ERROR_FILE, TaskError, call_task, checked_reward
 
 # Right on the ground truth and on an empty response (what `meshy check` tries), wrong on anything else.
 TASK_MODULE = """

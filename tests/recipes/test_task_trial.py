@@ -1,4 +1,4 @@
-"""`meshy check` and `meshy run` try the recipe's task before any process starts (meshy.recipes.task_trial):
+"""`meshy check` and `meshy run` try the recipe's task before any process starts (meshy.recipes.usercode.task_trial):
 a tokenizer whose ids the model cannot hold, EOS ids that disagree, a reward that raises or does not give the
 right answer full marks are refused naming the recipe field and the fix; a task module beside the recipe or
 in the current directory imports, in `meshy check` and in a run's processes; every shipped recipe passes."""
@@ -15,11 +15,11 @@ import pytest
 
 from meshy.dataplane import SchemaError
 from meshy.recipes import cli
-from meshy.recipes.catalog import shipped
+from meshy.recipes.prompts.problem import Problem
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
-from meshy.recipes.task_trial import try_task
+from meshy.recipes.recipe.catalog import shipped
 from meshy.recipes.tasks import arithmetic, python_math
-from meshy.recipes.tasks.arithmetic import Problem
+from meshy.recipes.usercode.task_trial import try_task
 
 MEANS_REWARD = """
 def reward(response, ground_truth):
@@ -81,7 +81,7 @@ def test_meshy_check_refuses_a_vocabulary_smaller_than_the_tokenizer_s_ids(tmp_p
 
 def test_meshy_run_refuses_it_before_torchrun_starts(tmp_path, capsys, isolated, monkeypatch):
     started = []
-    monkeypatch.setattr("meshy.recipes.run.Torchrun", lambda *a: started.append(a))
+    monkeypatch.setattr("meshy.recipes.launch.run.Torchrun", lambda *a: started.append(a))
     recipe = recipe_in(tmp_path, {"overrides = ": "overrides = { vocab_size = 6 }"})
     assert cli.main(["run", str(recipe)]) == 2
     assert "model.overrides.vocab_size = 6 but task.tokenizer produced id 16" in capsys.readouterr().err

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from meshy.recipes.catalog import shipped
+from meshy.recipes.observe.sample import task_prompt
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
-from meshy.recipes.sample import task_prompt
+from meshy.recipes.recipe.catalog import shipped
 from meshy.recipes.tasks import arithmetic
 from meshy.recipes.tasks.math import MathOptions
 from meshy.recipes.tasks.reasoning_gym import ReasoningGymOptions

@@ -4,7 +4,7 @@ is killed."""
 import subprocess
 import sys
 
-from meshy.recipes.torchrun_output import TorchrunOutput, exit_status
+from meshy.recipes.launch.torchrun_output import TorchrunOutput, exit_status
 
 WORKER = """
 import os, signal, time

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshy.train import checkpoint
-from meshy.train.config import OptimConfig, ParallelConfig
-from meshy.train.critic import CriticTrainer, ValueBatch, ValueModel
+from meshy.train.critic_service import CriticTrainer, ValueBatch, ValueModel
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model, load_weights
 from meshy.train.process_group import init_process_group
+from meshy.train.training_config import OptimConfig, ParallelConfig
 
 
 def critic(seed: int, replicas: int) -> CriticTrainer:

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model, load_weights
 from meshy.train.process_group import init_process_group
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 
 
 def main() -> None:

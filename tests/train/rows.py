@@ -3,7 +3,7 @@
 import torch
 
 from meshy.dataplane import HOST, DataPlaneClient
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 
 
 def put_groups(

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from meshy.dataplane import DataPlaneClient, Endpoints, secret_from_env
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.process_group import init_process_group
 from meshy.train.publish import DirectoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 
 
 def main() -> None:

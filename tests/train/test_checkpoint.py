@@ -10,10 +10,10 @@ import torch
 
 from meshy.train import checkpoint
 from meshy.train.checkpoint import CorruptCheckpoint
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.trainer import PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import pytest
 
 from meshy.dataplane import SchemaError
 from meshy.infer.engine import SamplingParams
-from meshy.train.config import LossConfig, OptimConfig
 from meshy.train.models import get_model
+from meshy.train.training_config import LossConfig, OptimConfig
 
 NAN, INF = float("nan"), float("inf")
 TINY, MOE = get_model("qwen3-tiny"), get_model("qwen3-tiny-moe")

@@ -11,13 +11,13 @@ from meshy.dataplane import HOST, free_cached
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.train import checkpoint, offload
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
-from meshy.train.critic import CriticTrainer, ValueBatch, ValueModel
+from meshy.train.critic_service import CriticTrainer, ValueBatch, ValueModel
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import hf_tensors
 from meshy.train.trainer import PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 from tests.test_device_placement import LOSSES, policy_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -64,7 +64,7 @@ def test_offload_hands_the_trainer_s_memory_back_and_changes_nothing():
 
 
 def test_the_critic_hands_its_memory_back_and_changes_nothing():
-    """What a critic colocated in a ring does at the end of each turn (meshy.recipes.colocation)."""
+    """What a critic colocated in a ring does at the end of each turn (meshy.recipes.roles.colocation)."""
     arch = get_model("qwen3-0.6b")
     free_cached(CUDA)
     baseline = torch.cuda.memory_reserved()

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
 from meshy.train.logprobs import forward_logits, pack_rows, response_logits, spread, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.shared_prompts import MAX_PACKED_TOKENS, pack_shared_prompts
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 
 ARCH = get_model("qwen3-tiny")
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from meshy.dataplane import SchemaError
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
-from meshy.train.critic import CriticTrainer, ValueBatch, ValueModel
+from meshy.train.critic_service import CriticTrainer, ValueBatch, ValueModel
 from meshy.train.logprobs import forward_logits, token_logprobs
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model, load_weights
 from meshy.train.publish import hf_tensors
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

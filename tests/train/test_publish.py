@@ -23,7 +23,6 @@ from meshy.dataplane.weights import (
     tensors_checksum,
     unpack_buckets,
 )
-from meshy.train.config import ParallelConfig
 from meshy.train.logprobs import forward_logits
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model, load_weights
@@ -38,6 +37,7 @@ from meshy.train.publish import (
     pack_version,
 )
 from meshy.train.titan_models import titan_config
+from meshy.train.training_config import ParallelConfig
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from meshy.dataplane import HOST, SchemaError
-from meshy.dataplane import rollout as cols
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
+from meshy.dataplane import columns as cols
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.routing_replay import FREE, replay_routers, replay_routing, routing_shape
 from meshy.train.service import TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 from tests.benches import load_bench
 from tests.train.rows import add_routing, put_groups, response_lengths
 

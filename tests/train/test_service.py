@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from meshy.dataplane import SchemaError
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.dataplane.weights import Published
 from meshy.train import checkpoint
-from meshy.train.config import LossConfig, OptimConfig, ParallelConfig
-from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
+from meshy.train.critic_service import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.logprobs import pack_rows
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher
 from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
+from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 from tests.train.rows import put_groups
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,6 +11,8 @@ SchemaError should not pay for it.
 
 import importlib
 
+from meshy.dataplane.moved_modules import keep_old_paths
+
 _EXPORTS = {
     "meshy.dataplane.audit": ["SequenceAudit"],
     "meshy.dataplane.bursts": ["Bursts"],
@@ -49,3 +51,6 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])
+
+
+keep_old_paths({"meshy.dataplane.rollout": "meshy.dataplane.columns"}, removed_in="0.3")

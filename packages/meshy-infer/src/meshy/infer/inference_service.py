@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 
 from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, CorruptWeights, Published, resync_stream

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from meshy.dataplane import HOST
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.infer.engine import Scores
 from meshy.infer.response_scoring import ScoringConfig, ScoringService
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from meshy.dataplane import Bursts, DataPlaneClient, SchemaError
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.dataplane.bursts import check_burst_fields
 from meshy.dataplane.fields import check_fields
 from meshy.infer.engine import Engine, Scores
@@ -51,7 +51,7 @@ class ScoringService(abc.ABC):
     """Subclasses say which task they serve (its declaration: the columns it reads and writes), how
     many top-k ids per position they need, and what they write for a row's scores (and for a row that
     cannot be scored). device_turn: what scoring a lease runs inside: a colocated engine's turn on its
-    ring's devices (meshy.recipes.colocation), nothing otherwise."""
+    ring's devices (meshy.recipes.roles.colocation), nothing otherwise."""
 
     declared: cols.Task
 

@@ -1,1 +1,46 @@
-"""Meshy recipes."""
+"""Meshy recipes: a recipe (recipe), how a run starts (launch), its roles (roles), the user's task code
+(usercode), weights from outside (weights), looking at a run (observe), shipped tasks and agents (tasks,
+agents) over what both speak (prompts), and the `meshy` command (cli)."""
+
+from meshy.dataplane.moved_modules import keep_old_paths
+
+keep_old_paths(
+    {
+        "meshy.recipes.agents.environment": "meshy.recipes.agents.tool_environment",
+        "meshy.recipes.catalog": "meshy.recipes.recipe.catalog",
+        "meshy.recipes.cluster": "meshy.recipes.launch.cluster",
+        "meshy.recipes.colocation": "meshy.recipes.roles.colocation",
+        "meshy.recipes.context": "meshy.recipes.roles.context",
+        "meshy.recipes.dataflow": "meshy.recipes.recipe.dataflow",
+        "meshy.recipes.engines": "meshy.recipes.roles.engines",
+        "meshy.recipes.evaluation": "meshy.recipes.usercode.held_out",
+        "meshy.recipes.gguf_convert": "meshy.recipes.weights.gguf",
+        "meshy.recipes.hub": "meshy.recipes.weights.hub",
+        "meshy.recipes.imports": "meshy.recipes.usercode.imports",
+        "meshy.recipes.inspect_run": "meshy.recipes.observe.inspect_run",
+        "meshy.recipes.metric_sinks": "meshy.recipes.observe.metric_sinks",
+        "meshy.recipes.nodes": "meshy.recipes.launch.nodes",
+        "meshy.recipes.overrides": "meshy.recipes.recipe.overrides",
+        "meshy.recipes.parent_death": "meshy.recipes.launch.parent_death",
+        "meshy.recipes.pretrained": "meshy.recipes.weights.pretrained",
+        "meshy.recipes.progress": "meshy.recipes.observe.progress",
+        "meshy.recipes.rank": "meshy.recipes.launch.__main__",
+        "meshy.recipes.reference": "meshy.recipes.recipe.field_reference",
+        "meshy.recipes.reference_weights": "meshy.recipes.roles.reference_weights",
+        "meshy.recipes.run": "meshy.recipes.launch.run",
+        "meshy.recipes.run_secret": "meshy.recipes.launch.run_secret",
+        "meshy.recipes.sample": "meshy.recipes.observe.sample",
+        "meshy.recipes.servers": "meshy.recipes.launch.servers",
+        "meshy.recipes.shared_dir": "meshy.recipes.launch.shared_dir",
+        "meshy.recipes.startup": "meshy.recipes.launch.startup",
+        "meshy.recipes.task_errors": "meshy.recipes.usercode.task_errors",
+        "meshy.recipes.task_trial": "meshy.recipes.usercode.task_trial",
+        "meshy.recipes.tasks.chat_templates": "meshy.recipes.prompts.chat_templates",
+        "meshy.recipes.toml_writer": "meshy.recipes.recipe.toml_writer",
+        "meshy.recipes.topology": "meshy.recipes.recipe.topology",
+        "meshy.recipes.torchrun_output": "meshy.recipes.launch.torchrun_output",
+        "meshy.recipes.watchdog": "meshy.recipes.launch.watchdog",
+        "meshy.recipes.weight_sync": "meshy.recipes.roles.sync_group",
+    },
+    removed_in="0.3",
+)

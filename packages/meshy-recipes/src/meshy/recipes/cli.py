@@ -82,7 +82,7 @@ def add_set(command: argparse.ArgumentParser) -> None:
 
 
 def overrides(args: argparse.Namespace) -> list:
-    from meshy.recipes.overrides import parse_override
+    from meshy.recipes.recipe.overrides import parse_override
 
     return [parse_override(text) for text in args.overrides]
 
@@ -90,8 +90,8 @@ def overrides(args: argparse.Namespace) -> list:
 def command(args: argparse.Namespace) -> int:
     try:
         if args.command == "run":
-            from meshy.recipes.catalog import resolve
-            from meshy.recipes.run import run as run_recipe
+            from meshy.recipes.launch.run import run as run_recipe
+            from meshy.recipes.recipe.catalog import resolve
 
             return run_recipe(
                 None if args.resume else str(resolve(args.recipe)),
@@ -103,15 +103,15 @@ def command(args: argparse.Namespace) -> int:
                 overrides=overrides(args),
             )
         if args.command == "recipes":
-            from meshy.recipes.catalog import listing
+            from meshy.recipes.recipe.catalog import listing
 
             print(listing())
             return 0
         if args.command == "check":
-            from meshy.recipes.catalog import check_imports, check_nodes, resolve, topology
-            from meshy.recipes.imports import import_beside
             from meshy.recipes.recipe import load_recipe
-            from meshy.recipes.task_trial import try_task
+            from meshy.recipes.recipe.catalog import check_imports, check_nodes, resolve, topology
+            from meshy.recipes.usercode.imports import import_beside
+            from meshy.recipes.usercode.task_trial import try_task
 
             path = resolve(args.recipe)
             recipe = load_recipe(path, overrides(args))
@@ -124,13 +124,13 @@ def command(args: argparse.Namespace) -> int:
                 print(f"meshy: {note}", file=sys.stderr)
             return 0
         if args.command == "sample":
-            from meshy.recipes.sample import sample
+            from meshy.recipes.observe.sample import sample
 
             header, answers = sample(args.run_dir, args.prompts, args.version, args.max_new_tokens, args.temperature)
             print(header + "".join(f"\n\nprompt: {a.prompt}\ncompletion: {a.completion}" for a in answers))
             return 0
         if args.command == "inspect":
-            from meshy.recipes.inspect_run import report
+            from meshy.recipes.observe.inspect_run import report
 
             print(report(args.run_dir))
             return 0

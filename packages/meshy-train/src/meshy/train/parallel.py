@@ -21,9 +21,9 @@ from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 from meshy.dataplane import SchemaError
 from meshy.train import cpu
-from meshy.train.config import ParallelConfig
 from meshy.train.models import DecoderArch
 from meshy.train.titan_models import state_dict_adapter, titan_config
+from meshy.train.training_config import ParallelConfig
 
 SPMD_BACKEND = "partial_dtensor"  # DTensor for model-parallel axes only; plain tensors in and out
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weights import Published
 from meshy.train import checkpoint

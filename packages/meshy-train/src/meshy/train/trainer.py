@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from meshy.dataplane import SchemaError
-from meshy.train.config import LossConfig, OptimConfig
 from meshy.train.logprobs import full_log_probs, picked_logprobs, response_logits, spread
 from meshy.train.losses import (
     aggregate,
@@ -33,6 +32,7 @@ from meshy.train.losses import (
 )
 from meshy.train.routing_replay import replay_routing
 from meshy.train.shared_prompts import SharedPrompts
+from meshy.train.training_config import LossConfig, OptimConfig
 
 
 @dataclass

@@ -3,7 +3,7 @@
 FORMATS: "qwen3" writes each call as `<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>` (the
 format Qwen3's chat template shows in the system prompt); "smollm2" writes a block's calls as one JSON
 array, `<tool_call>[{"name": NAME, "arguments": {...}}, ...]</tool_call>`, and `[]` for no call (the
-format SmolLM2's function-calling system prompt shows; meshy.recipes.tasks.chat_templates). In both,
+format SmolLM2's function-calling system prompt shows; meshy.recipes.prompts.chat_templates). In both,
 `arguments` may also be a JSON string holding the object, as Qwen3's template accepts. A call that
 cannot be parsed is not an exception: it is a MalformedToolCall saying what is wrong, which the
 environment answers with an error observation, so the trajectory goes on and the policy learns from the

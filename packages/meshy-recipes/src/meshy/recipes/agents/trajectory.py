@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 from meshy.dataplane import SchemaError
 from meshy.infer.engine import FINISH_LENGTH, FINISH_STOP, Generation
-from meshy.recipes.agents.environment import Environment, saved_state
-from meshy.recipes.tasks.chat_templates import observation, render
+from meshy.recipes.agents.tool_environment import Environment, saved_state
+from meshy.recipes.prompts.chat_templates import observation, render
 
 DONE, MAX_TURNS, MAX_TOKENS, DEADLINE, ABORTED = "done", "max-turns", "max-tokens", "deadline", "aborted"
 ERROR = "error"  # the engine's finish reason for a turn it could not generate (the inference service's)

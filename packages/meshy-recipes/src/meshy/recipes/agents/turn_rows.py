@@ -1,5 +1,5 @@
 """A trajectory in flight as a row of the data plane's `turns` table, and a finished one as the columns of
-its rollout row (meshy.dataplane.rollout describes both tables).
+its rollout row (meshy.dataplane.columns describes both tables).
 
 A turn row is the whole trajectory so far plus the turn to generate: prompt_ids holds the prompt and
 every token after it (what the engine continues from), policy_mask, history_logprobs and
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from meshy.dataplane import HOST
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.infer.engine import Generation
 from meshy.recipes.agents.trajectory import MAX_TOKENS, TURN_LIMIT, AgentLimits, Trajectory
-from meshy.recipes.tasks.arithmetic import Problem
+from meshy.recipes.prompts.problem import Problem
 
 
 def turn_row_id(trajectory_row: int, turn: int) -> int:

@@ -1,6 +1,6 @@
 """The built-in roles, all of one shape (a custom role may follow it too):
 
-- `Role(ctx)` takes its settings from `ctx.recipe` (ctx: meshy.recipes.context.RoleContext) and builds
+- `Role(ctx)` takes its settings from `ctx.recipe` (ctx: meshy.recipes.roles.context.RoleContext) and builds
   what it can before the run starts (models, trainers); engines are built in `run()`, in the event loop
   that drives them.
 - `run()` watches the `run` stream for the stop (`ctx.watch_for_stop()`; training instead ends the run,

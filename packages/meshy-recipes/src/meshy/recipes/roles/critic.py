@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from meshy.dataplane import HOST
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.colocation import BUILD, DeviceTurns, record_released, step_burst
-from meshy.recipes.context import RoleContext
-from meshy.recipes.pretrained import load_init
+from meshy.recipes.roles.colocation import BUILD, DeviceTurns, record_released, step_burst
+from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.weights.pretrained import load_init
 from meshy.train import checkpoint, offload
-from meshy.train.critic import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
+from meshy.train.critic_service import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.parallel import build_model
 from meshy.train.trainer import reduce_over_ranks
 

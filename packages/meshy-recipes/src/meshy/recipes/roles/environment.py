@@ -12,7 +12,7 @@ responses from the rollout table in single-turn runs.
   as on any row).
 
 An environment keeps no state between turns beyond its problem, the conversation and what its `state()`
-gives (meshy.recipes.agents.environment), all in the row; so any process takes the next step of any
+gives (meshy.recipes.agents.tool_environment), all in the row; so any process takes the next step of any
 trajectory, steps run concurrently (a slow tool holds up its
 own trajectory only, and the engine keeps generating the others' turns), and a process that dies loses
 only the steps it was taking: their leases expire and another process takes them. Every write is
@@ -29,16 +29,16 @@ from dataclasses import dataclass
 import torch
 
 from meshy.dataplane import HOST, Batch, RowConflictError, SchemaError
-from meshy.dataplane import rollout as cols
-from meshy.recipes.agents.environment import Environment, restore_state
+from meshy.dataplane import columns as cols
+from meshy.recipes.agents.tool_environment import Environment, restore_state
 from meshy.recipes.agents.trajectory import ERROR, Trajectory, open_trajectory, take_turn
 from meshy.recipes.agents.turn_rows import read_turn, trajectory_columns, turn_columns
-from meshy.recipes.context import RoleContext
-from meshy.recipes.dataflow import TURNS
-from meshy.recipes.imports import import_object, traceback_from
-from meshy.recipes.task_errors import TaskError
-from meshy.recipes.task_trial import eos_mismatch
-from meshy.recipes.tasks.arithmetic import Problem
+from meshy.recipes.prompts.problem import Problem
+from meshy.recipes.recipe.dataflow import TURNS
+from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.usercode.imports import import_object, traceback_from
+from meshy.recipes.usercode.task_errors import TaskError
+from meshy.recipes.usercode.task_trial import eos_mismatch
 
 log = logging.getLogger(__name__)
 STEPS_IN_FLIGHT = 1024  # turns one process steps through at once (each waits mostly on its tools)

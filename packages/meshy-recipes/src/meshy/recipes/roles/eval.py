@@ -1,5 +1,5 @@
 """The eval role: the held-out problems ([eval]) answered by each version training keeps for it
-(meshy.recipes.evaluation), on the engine the recipe names, while training goes on; colocated, only in
+(meshy.recipes.usercode.held_out), on the engine the recipe names, while training goes on; colocated, only in
 its turns on the ring's devices. It evaluates the newest version announced: one that a newer one
 overtook before its turn came is skipped (recorded), the last one never is. Its figures go back to
 training on the EVAL_RESULTS stream; its records keep a few answers of each version."""
@@ -15,12 +15,12 @@ from pathlib import Path
 from meshy.dataplane import SchemaError
 from meshy.dataplane.weights import Published
 from meshy.infer.engine import Engine, SamplingParams
-from meshy.recipes.colocation import DeviceTurns, engine_turns
-from meshy.recipes.context import RoleContext
-from meshy.recipes.engines import build_engine
-from meshy.recipes.evaluation import EVAL_RESULTS, EVAL_WEIGHTS, figures, held_out_problems, response_text
-from meshy.recipes.imports import import_object
-from meshy.recipes.task_errors import TaskError, call_task, checked_reward
+from meshy.recipes.roles.colocation import DeviceTurns, engine_turns
+from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.engines import build_engine
+from meshy.recipes.usercode.held_out import EVAL_RESULTS, EVAL_WEIGHTS, figures, held_out_problems, response_text
+from meshy.recipes.usercode.imports import import_object
+from meshy.recipes.usercode.task_errors import TaskError, call_task, checked_reward
 
 EXAMPLES = 3  # answers of each evaluated version kept in the role's records
 
@@ -132,5 +132,5 @@ class EvalRole:
 
 
 def _discard(published: Published) -> None:
-    """The eval role owns the kept copies of the versions it is handed (meshy.recipes.evaluation)."""
+    """The eval role owns the kept copies of the versions it is handed (meshy.recipes.usercode.held_out)."""
     shutil.rmtree(Path(published.location), ignore_errors=True)

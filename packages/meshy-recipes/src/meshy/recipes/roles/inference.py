@@ -8,11 +8,11 @@ from meshy.dataplane.model_source import ModelSource
 from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, Published
 from meshy.infer.engine import Engine
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
-from meshy.recipes.colocation import POLL_S, build_holding_token, join_ring, record_released
-from meshy.recipes.context import RoleContext
-from meshy.recipes.dataflow import TURNS
-from meshy.recipes.engines import build_engine
-from meshy.recipes.startup import phase_done
+from meshy.recipes.launch.startup import phase_done
+from meshy.recipes.recipe.dataflow import TURNS
+from meshy.recipes.roles.colocation import POLL_S, build_holding_token, join_ring, record_released
+from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.engines import build_engine
 
 
 class InferenceRole:

@@ -1,14 +1,14 @@
-"""The reference role: the frozen initial policy (meshy.recipes.reference_weights) scores every response
+"""The reference role: the frozen initial policy (meshy.recipes.roles.reference_weights) scores every response
 into ref_logprobs, for the KL term of the loss (algorithm.loss.kl_coef), on the engine the recipe names
 (`sampling.engine`), like the teacher role; colocated, only in its turns on the ring's devices."""
 
 import asyncio
 
 from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
-from meshy.recipes.colocation import engine_turns, step_burst
-from meshy.recipes.context import RoleContext
-from meshy.recipes.engines import build_engine
-from meshy.recipes.reference_weights import wait_for_reference
+from meshy.recipes.roles.colocation import engine_turns, step_burst
+from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.engines import build_engine
+from meshy.recipes.roles.reference_weights import wait_for_reference
 
 
 class ReferenceRole:

@@ -14,7 +14,7 @@ the trainer should skip (dynamic sampling: its group's rewards are all equal) ge
 
 The task's code runs here (its tokenizer, problem stream and reward): what it raises, and rows the
 engine could not generate, stop the run or drop the row as the recipe's on_task_error says
-(meshy.recipes.task_errors). A dropped row's reward is NaN: it is left out of its group's statistics and
+(meshy.recipes.usercode.task_errors). A dropped row's reward is NaN: it is left out of its group's statistics and
 gets no advantage.
 """
 
@@ -26,12 +26,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from meshy.dataplane import HOST
-from meshy.dataplane import rollout as cols
+from meshy.dataplane import columns as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.context import RoleContext
-from meshy.recipes.evaluation import WithoutHeldOut, held_out_problems, response_text
-from meshy.recipes.imports import import_object
-from meshy.recipes.task_errors import TaskError, call_task, checked_reward, engine_error
+from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.usercode.held_out import WithoutHeldOut, held_out_problems, response_text
+from meshy.recipes.usercode.imports import import_object
+from meshy.recipes.usercode.task_errors import TaskError, call_task, checked_reward, engine_error
 from meshy.train.advantages import (
     dapo_overlong_penalty,
     drop_uniform_groups,

@@ -5,10 +5,10 @@ ring's devices."""
 import asyncio
 
 from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
-from meshy.recipes.colocation import engine_turns, step_burst
-from meshy.recipes.context import RoleContext
-from meshy.recipes.engines import build_engine
-from meshy.recipes.pretrained import resolve
+from meshy.recipes.roles.colocation import engine_turns, step_burst
+from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.engines import build_engine
+from meshy.recipes.weights.pretrained import resolve
 
 
 class TeacherRole:

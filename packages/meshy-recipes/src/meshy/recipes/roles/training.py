@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.colocation import BUILD, DeviceTurns, record_released
-from meshy.recipes.context import RoleContext, announce_stop
-from meshy.recipes.evaluation import EVAL_DIR, EVAL_WEIGHTS, EvalFigures, EvalResults
-from meshy.recipes.metric_sinks import MetricSinks
-from meshy.recipes.pretrained import load_init
-from meshy.recipes.progress import Progress
-from meshy.recipes.reference_weights import publish_reference
-from meshy.recipes.startup import phase_done
+from meshy.recipes.launch.startup import phase_done
+from meshy.recipes.observe.metric_sinks import MetricSinks
+from meshy.recipes.observe.progress import Progress
+from meshy.recipes.roles.colocation import BUILD, DeviceTurns, record_released
+from meshy.recipes.roles.context import RoleContext, announce_stop
+from meshy.recipes.roles.reference_weights import publish_reference
+from meshy.recipes.usercode.held_out import EVAL_DIR, EVAL_WEIGHTS, EvalFigures, EvalResults
+from meshy.recipes.weights.pretrained import load_init
 from meshy.train import checkpoint, offload
 from meshy.train.parallel import build_model
 from meshy.train.publish import CollectivePublisher, DirectoryPublisher, KeepingPublisher, SharedMemoryPublisher

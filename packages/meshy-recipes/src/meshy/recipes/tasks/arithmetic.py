@@ -8,9 +8,9 @@ random weights answers right by chance about 1 time in 17 per token; a tiny Qwen
 import operator
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from meshy.dataplane import SchemaError
+from meshy.recipes.prompts.problem import Problem
 
 PAD, BOS, EOS = 0, 1, 2
 _CHARS = "0123456789+-*="
@@ -33,12 +33,6 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(_CHARS[i - _FIRST] for i in ids if _FIRST <= i < self.vocab_size)
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
 
 
 def problems(seed: int, max_operand: int = 4, ops: str = "+") -> Iterator[Problem]:

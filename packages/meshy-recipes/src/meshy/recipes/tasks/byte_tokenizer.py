@@ -1,6 +1,6 @@
 """A byte-level tokenizer with Qwen3's chat and tool markers as single ids: any text, in a vocabulary a
 tiny model (512 ids) covers, so a model built from scratch on the CPU can hold multi-turn, tool-using
-conversations in Qwen3's chat template (meshy.recipes.tasks.chat_templates).
+conversations in Qwen3's chat template (meshy.recipes.prompts.chat_templates).
 
 Ids 0-255 are the bytes of the UTF-8 text; the markers follow, in MARKERS order. Decoding gives the exact
 text back (bytes that do not form UTF-8 are replaced). A model's vocabulary may be larger than this one:

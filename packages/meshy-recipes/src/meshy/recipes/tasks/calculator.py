@@ -43,11 +43,11 @@ import re
 from collections.abc import Iterator
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.agents.environment import Step, ToolEnvironment
 from meshy.recipes.agents.tool_calls import ToolCall, write_tool_calls
+from meshy.recipes.agents.tool_environment import Step, ToolEnvironment
 from meshy.recipes.agents.tools import Tool, ToolBox, ToolResult
-from meshy.recipes.tasks.arithmetic import Problem
-from meshy.recipes.tasks.chat_templates import Message, observation, render
+from meshy.recipes.prompts.chat_templates import Message, observation, render
+from meshy.recipes.prompts.problem import Problem
 from meshy.recipes.tasks.piece_tokenizer import PieceTokenizer
 
 _OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}

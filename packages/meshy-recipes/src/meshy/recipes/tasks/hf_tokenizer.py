@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.pretrained import resolve
+from meshy.recipes.weights.pretrained import resolve
 
 
 class HFTokenizer:
@@ -56,5 +56,5 @@ class HFTokenizer:
 @functools.cache
 def tokenizer(model: str) -> HFTokenizer:
     """The tokenizer of `model`, named as model.init names weights: an HF directory, "hf:<owner/name>" or
-    "gguf:<name>" (meshy.recipes.pretrained; downloaded or converted on first use)."""
+    "gguf:<name>" (meshy.recipes.weights.pretrained; downloaded or converted on first use)."""
     return HFTokenizer(resolve(model))

@@ -17,8 +17,8 @@ from typing import Any
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.fields import check_fields
-from meshy.recipes.tasks.arithmetic import Problem
-from meshy.recipes.tasks.chat_templates import TEMPLATES, Message, render
+from meshy.recipes.prompts.chat_templates import TEMPLATES, Message, render
+from meshy.recipes.prompts.problem import Problem
 from meshy.recipes.tasks.math_data import FORMATS, Record, generated_records, load_records
 
 GENERATED = "generated"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.hub import download_error
+from meshy.recipes.weights.hub import download_error
 
 FORMATS = ("dapo", "ultradata", "gsm8k")
 SUFFIXES = (".parquet", ".jsonl", ".json")

@@ -75,7 +75,7 @@ def boxed_answer(ground_truth: str) -> str:
     return f"\\boxed{{{ground_truth}}}"
 
 
-# What each reward pays full marks for (meshy.recipes.task_trial): the bare ground truth is not an answer here.
+# What each reward pays full marks for (meshy.recipes.usercode.task_trial): the bare ground truth is not an answer here.
 dapo_reward.perfect_response = dapo_answer
 boxed_reward.perfect_response = math_verify_reward.perfect_response = boxed_answer
 

@@ -20,12 +20,12 @@ import functools
 from collections.abc import Iterator
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.agents.environment import ToolEnvironment
 from meshy.recipes.agents.python_tool import python_tool
 from meshy.recipes.agents.sandbox import SandboxLimits
+from meshy.recipes.agents.tool_environment import ToolEnvironment
 from meshy.recipes.agents.tools import ToolBox
+from meshy.recipes.prompts.problem import Problem
 from meshy.recipes.tasks import math, math_reward
-from meshy.recipes.tasks.arithmetic import Problem
 
 INSTRUCTION = "{question}\n\nYou may run Python code with the python tool to compute; print what you need to see."
 REWARDS = {

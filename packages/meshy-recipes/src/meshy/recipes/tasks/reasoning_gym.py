@@ -16,7 +16,7 @@ len(answer) / len(response) when the answer only appears inside a longer respons
 full marks only (a short numeric answer appears by chance inside many wrong responses).
 
 Item i of seed s is reasoning-gym's item i of a dataset seeded with s, so streams of nearby seeds
-overlap; a held-out set is kept apart by the problems it holds (meshy.recipes.evaluation), not by its seed.
+overlap; a held-out set is kept apart by the problems it holds (meshy.recipes.usercode.held_out), not by its seed.
 """
 
 import functools
@@ -29,8 +29,8 @@ from typing import Any
 
 from meshy.dataplane import SchemaError
 from meshy.dataplane.fields import check_fields
-from meshy.recipes.tasks.arithmetic import Problem
-from meshy.recipes.tasks.chat_templates import TEMPLATES, Message, render
+from meshy.recipes.prompts.chat_templates import TEMPLATES, Message, render
+from meshy.recipes.prompts.problem import Problem
 
 VIRTUAL_SIZE = 1 << 40  # reasoning-gym computes item i from (seed, i): the stream never repeats an index
 MAX_SCORED_CHARS = 4_096  # a longer response cannot be a short task's answer; scored on its last chars
@@ -124,7 +124,7 @@ def tagged_answer(ground_truth: str) -> str:
     return f"<answer>{right_answer(ground_truth)}</answer>"
 
 
-# The ground truth is JSON, not a response: what each reward pays full marks for (meshy.recipes.task_trial).
+# The ground truth is JSON, not a response: what each reward pays full marks for (meshy.recipes.usercode.task_trial).
 score.perfect_response = score_exact.perfect_response = right_answer
 score_tagged.perfect_response = tagged_answer
 

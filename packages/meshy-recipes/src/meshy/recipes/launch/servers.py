@@ -1,0 +1,53 @@
+"""Which processes host the data-plane servers. On one node rank 0 hosts them all. Over several, the
+first rank of every node hosts its node's storage units, bound to the node's address, and rank 0 (on
+node 0) also the controller over every node's units; a producer writes to its own node's units, so
+bulk tensors go from producer to local storage to consumer, never through the controller's node unless
+the consumer is there. Endpoints travel through torchrun's store (addresses only)."""
+
+import dataclasses
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshy.dataplane import DataPlaneServer
+from meshy.recipes.recipe import Recipe
+from meshy.recipes.recipe.topology import Slot
+
+STORAGE_KEY = "meshy/dataplane/storage/"  # + node: that node's storage units
+START_TIMEOUT_S = 600.0  # as long as the role process groups wait for each other at start
+
+
+def host_servers(
+    recipe: Recipe,
+    slot: Slot,
+    first_on_node: bool,
+    address: str,
+    store: dist.Store,
+    secret: bytes,
+    logs: Path,
+    meanwhile: Callable[[], object] = lambda: None,
+) -> DataPlaneServer | None:
+    """Start the servers this process hosts (None: it hosts none); rank 0 publishes the endpoints.
+    `meanwhile` runs in every process, while the servers start where it hosts them."""
+    if not first_on_node:
+        meanwhile()
+        return None
+    nodes = recipe.topology.nodes
+    config = dataclasses.replace(recipe.dataplane, host=address) if nodes > 1 else recipe.dataplane
+    log_name = "dataplane.log" if slot.node == 0 else f"dataplane-node{slot.node}.log"
+    with open(logs / log_name, "ab") as log:  # the servers keep their own descriptor
+        server = DataPlaneServer.start_storage(secret, config, log=log, meanwhile=meanwhile)
+    store.set(f"{STORAGE_KEY}{slot.node}", json.dumps(server.storage))
+    if slot.rank == 0:
+        units, where = [], []
+        for node in range(nodes):
+            store.wait([f"{STORAGE_KEY}{node}"], timedelta(seconds=START_TIMEOUT_S))
+            storage = json.loads(store.get(f"{STORAGE_KEY}{node}"))
+            units += storage
+            where += [node] * len(storage)
+        server.start_controller(units, where)
+        server.publish(store)
+    return server

@@ -1,0 +1,85 @@
+"""What a role process gets from the launcher, and the run-wide conventions every role shares.
+
+Roles meet only through the data plane: the rollout table, the `weights` stream, and the `run` stream,
+on which the training role announces the end of the run. Each process appends what it observed to its
+own record file in the run directory (`records/<role>-<index>.jsonl`), from which `meshy inspect`
+rebuilds the audit, and at its end the bytes its data-plane client moved (`records/dataplane/`).
+"""
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from meshy.dataplane import DataPlaneClient
+from meshy.dataplane import columns as cols
+from meshy.dataplane.weight_sync import WeightSyncGroup
+from meshy.recipes.recipe import Recipe
+from meshy.recipes.recipe.topology import Slot
+
+RUN_STREAM = "run"
+TRAFFIC_DIR = "dataplane"  # under records/: each process's bytes to and from each storage unit
+T = TypeVar("T")
+
+
+@dataclass
+class RoleContext:
+    recipe: Recipe
+    slot: Slot
+    run_dir: Path
+    client: DataPlaneClient
+    weight_sync: WeightSyncGroup | None = None  # a member's place in the weight-sync group (collective)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def table(self) -> str:
+        return cols.rollout_table().name
+
+    def record(self, kind: str, **data: Any) -> None:
+        """Append one observation to this process's record file."""
+        path = self.run_dir / "records" / f"{self.slot.role}-{self.slot.index}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, "time": time.time(), **data}) + "\n")
+
+    def record_traffic(self, moved: dict[str, list[int]], storage_nodes: tuple[int, ...]) -> None:
+        """Append the bytes this process's client moved to and from each storage unit (whose nodes are
+        `storage_nodes`) to records/dataplane/ (apart from the role's own records, whose last line is the
+        role's final state)."""
+        path = self.run_dir / "records" / TRAFFIC_DIR / f"{self.slot.role}-{self.slot.index}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = {"time": time.time(), "node": self.slot.node, "storage_nodes": list(storage_nodes), **moved}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def watch_for_stop(self) -> threading.Thread:
+        """Set `stop` when the `run` stream says the run is over (a background thread)."""
+        reader = self.client.reader(RUN_STREAM, f"{self.slot.role}-{self.slot.index}-stop", start=1)
+
+        def watch() -> None:
+            while not self.stop.is_set():
+                if any(m.payload.get("event") == "stop" for m in reader.read(timeout=1.0)):
+                    self.stop.set()
+
+        thread = threading.Thread(target=watch, name="meshy-stop-watch", daemon=True)
+        thread.start()
+        return thread
+
+    async def until_stopped(self, serve: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+        """Run an asyncio service, `serve(stop)`, until the run stops: `stop` (a flag threads set) becomes
+        the asyncio event the service watches. Returns what the service returned, when it ends on its own
+        or once it has finished after the stop."""
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(serve(stop))
+        while not self.stop.is_set() and not serving.done():
+            await asyncio.wait([serving], timeout=0.2)
+        stop.set()
+        return await serving
+
+
+def announce_stop(client: DataPlaneClient, reason: str) -> None:
+    client.append(RUN_STREAM, {"event": "stop", "reason": reason})

@@ -1,0 +1,1 @@
+"""Model weights from outside a run: HF directories and the hub (pretrained, hub), GGUF files (gguf)."""
