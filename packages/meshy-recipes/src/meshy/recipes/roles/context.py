@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +25,34 @@ from meshy.recipes.recipe.topology import Slot
 RUN_STREAM = "run"
 TRAFFIC_DIR = "dataplane"  # under records/: each process's bytes to and from each storage unit
 T = TypeVar("T")
+
+
+class RecordKind(StrEnum):
+    """What a record is (its `kind`), for each kind the built-in roles write (RoleContext.record)."""
+
+    START = "start"  # every process, as it starts (launch.rank)
+    ENGINE = "engine"  # the engine a process built (roles.engines)
+    GRANT = "grant"  # a colocated process took its ring's token (roles.colocation)
+    DEVICE_TURN = "device_turn"  # a colocated process's turn on its ring's devices, once over
+    RELEASED = "released"  # what a colocated process kept on its GPU after handing the token on
+    TRAIN_START = "train_start"
+    VERSION = "version"  # a version trained
+    FINAL = "final"  # the final weights, written
+    BATCH = "batch"  # rollout wrote a training step's batch
+    ADVANTAGE = "advantage"  # rollout's advantages for a batch
+    TASK_ERRORS = "task_errors"  # rows rollout dropped on the task's errors (on_task_error = "drop")
+    TRAJECTORY = "trajectory"  # a multi-turn row the environment role played to its end
+    EVAL = "eval"  # a version evaluated on the held-out problems
+    EVAL_SKIPPED = "eval_skipped"  # a version overtaken by a newer one before it was evaluated
+    CRITIC_START = "critic_start"
+    CRITIC_STEP = "critic_step"
+    CRITIC_CHECKPOINT = "critic_checkpoint"
+    # each role's last record, named after it: what it did in all
+    INFERENCE = "inference"
+    ENVIRONMENT = "environment"
+    CRITIC = "critic"
+    REFERENCE = "reference"
+    TEACHER = "teacher"
 
 
 @dataclass
@@ -39,8 +68,8 @@ class RoleContext:
     def table(self) -> str:
         return cols.rollout_table().name
 
-    def record(self, kind: str, **data: Any) -> None:
-        """Append one observation to this process's record file."""
+    def record(self, kind: RecordKind | str, **data: Any) -> None:
+        """Append one observation to this process's record file (a custom role may name its own kinds)."""
         path = self.run_dir / "records" / f"{self.slot.role}-{self.slot.index}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
