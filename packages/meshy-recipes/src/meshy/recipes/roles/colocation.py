@@ -16,7 +16,7 @@ import torch
 
 from meshy.dataplane import FALLBACK, ON_DEMAND, DataPlaneTimeout, GpuTokenRing, Grant
 from meshy.infer.engine import Engine
-from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.context import RecordKind, RoleContext
 
 BUILD, COMPUTE = "build", "compute"  # what a turn is for (its `device_turn` record says)
 TURN_TIMEOUT_S = 600.0  # an ON_DEMAND member waiting longer for the token stops the run, naming its holder
@@ -37,7 +37,12 @@ def join_ring(ctx: RoleContext, on_acquire, on_release) -> GpuTokenRing | None:
     def acquired(grant: Grant) -> None:
         free = torch.cuda.mem_get_info(torch.device(ctx.slot.device))[0] if ctx.slot.devices else None
         ctx.record(
-            "grant", ring=grant_ring(ring, ctx), seq=grant.seq, holder=grant.holder, payload=grant.payload, free=free
+            RecordKind.GRANT,
+            ring=grant_ring(ring, ctx),
+            seq=grant.seq,
+            holder=grant.holder,
+            payload=grant.payload,
+            free=free,
         )
         on_acquire(grant)
 
@@ -56,7 +61,7 @@ def record_released(ctx: RoleContext) -> None:
     if ctx.slot.devices:
         device = torch.device(ctx.slot.device)
         ctx.record(
-            "released",
+            RecordKind.RELEASED,
             allocated=torch.cuda.memory_allocated(device),
             reserved=torch.cuda.memory_reserved(device),
         )
@@ -135,7 +140,7 @@ class DeviceTurns:
 
 
 def record_turn(ctx: RoleContext, ring: GpuTokenRing, grant: Grant, start: float, end: float, what: str) -> None:
-    ctx.record("device_turn", ring=ring.ring, seq=grant.seq, start=start, end=end, what=what)
+    ctx.record(RecordKind.DEVICE_TURN, ring=ring.ring, seq=grant.seq, start=start, end=end, what=what)
 
 
 async def engine_turns(ctx: RoleContext, build: Callable[[], Engine]) -> tuple[Engine, DeviceTurns]:
