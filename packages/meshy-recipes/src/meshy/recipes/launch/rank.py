@@ -27,7 +27,7 @@ from meshy.recipes.launch.watchdog import Watchdog
 from meshy.recipes.recipe import CustomRoleSpec, Recipe, RoleSpec, load_recipe
 from meshy.recipes.recipe.dataflow import tables
 from meshy.recipes.recipe.topology import Slot, assign, on_node
-from meshy.recipes.roles.context import RoleContext, announce_stop
+from meshy.recipes.roles.context import RecordKind, RoleContext, announce_stop
 from meshy.recipes.roles.sync_group import join_weight_sync
 from meshy.recipes.usercode.imports import import_object
 from meshy.recipes.usercode.task_errors import TASK_ERROR_FILE, TaskError
@@ -123,7 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     published = endpoints.to_json() if slot.rank == 0 else None  # where the data plane listens, for audits
     where = {"rank": slot.rank, "node": slot.node, "address": address}
     ctx.record(
-        "start", **where, pid=os.getpid(), threads=torch.get_num_threads(), dataplane=servers, endpoints=published
+        RecordKind.START,
+        **where,
+        pid=os.getpid(),
+        threads=torch.get_num_threads(),
+        dataplane=servers,
+        endpoints=published,
     )
     watched = [spec.name for spec in tables(recipe)]
     watchdog = Watchdog(client, watched, directory, recipe.stall_after_s) if slot.rank == 0 else None

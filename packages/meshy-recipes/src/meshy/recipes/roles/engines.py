@@ -4,7 +4,7 @@ generator and the teacher role's scorer both come from here."""
 from meshy.dataplane.model_source import ModelSource
 from meshy.infer.engine import Engine
 from meshy.infer.torch_engine import TorchEngine
-from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.context import RecordKind, RoleContext
 from meshy.recipes.roles.sync_group import weight_sync_rank
 
 
@@ -24,7 +24,7 @@ def build_engine(
     max_running: requests at once, if fewer than sampling.max_in_flight will ever come. The process's
     records say which engine it built."""
     engine = _engine(ctx, source, colocate, version, record_routing, max_running or ctx.recipe.sampling.max_in_flight)
-    ctx.record("engine", engine=type(engine).__name__, device=ctx.slot.device, dtype=ctx.recipe.model.dtype)
+    ctx.record(RecordKind.ENGINE, engine=type(engine).__name__, device=ctx.slot.device, dtype=ctx.recipe.model.dtype)
     return engine
 
 

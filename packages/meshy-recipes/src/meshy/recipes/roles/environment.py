@@ -35,7 +35,7 @@ from meshy.recipes.agents.trajectory import ERROR, Trajectory, open_trajectory, 
 from meshy.recipes.agents.turn_rows import read_turn, trajectory_columns, turn_columns
 from meshy.recipes.prompts.problem import Problem
 from meshy.recipes.recipe.dataflow import TURNS
-from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.context import RecordKind, RoleContext
 from meshy.recipes.usercode.imports import import_object, traceback_from
 from meshy.recipes.usercode.task_errors import TaskError
 from meshy.recipes.usercode.task_trial import eos_mismatch
@@ -64,7 +64,7 @@ class EnvironmentRole:
     def run(self) -> None:
         self.ctx.watch_for_stop()
         asyncio.run(self.ctx.until_stopped(self._serve))
-        self.ctx.record("environment", **self.counts)
+        self.ctx.record(RecordKind.ENVIRONMENT, **self.counts)
 
     async def _serve(self, stop: asyncio.Event) -> None:
         loops = [asyncio.create_task(self._start_loop(stop)), asyncio.create_task(self._observe_loop(stop))]
@@ -245,7 +245,7 @@ class EnvironmentRole:
     def _finished(self, row: int, trajectory: Trajectory) -> None:
         self.counts[f"finished_{trajectory.finish_reason}"] += 1
         self.ctx.record(
-            "trajectory",
+            RecordKind.TRAJECTORY,
             row=row,
             finish_reason=trajectory.finish_reason,
             turns=trajectory.turns,

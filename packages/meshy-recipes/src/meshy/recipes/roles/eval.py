@@ -16,7 +16,7 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane.weights import Published
 from meshy.infer.engine import Engine, SamplingParams
 from meshy.recipes.roles.colocation import DeviceTurns, engine_turns
-from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.context import RecordKind, RoleContext
 from meshy.recipes.roles.engines import build_engine
 from meshy.recipes.usercode.held_out import EVAL_RESULTS, EVAL_WEIGHTS, figures, held_out_problems, response_text
 from meshy.recipes.usercode.imports import import_object
@@ -69,7 +69,7 @@ class EvalRole:
                     continue
                 announced = [Published.from_message(m.payload) for m in messages]
                 for overtaken in announced[:-1]:
-                    ctx.record("eval_skipped", version=overtaken.version)
+                    ctx.record(RecordKind.EVAL_SKIPPED, version=overtaken.version)
                     _discard(overtaken)
                 published = announced[-1]
                 if engine is None:
@@ -115,7 +115,7 @@ class EvalRole:
             {"prompt": self.problems[n // k].prompt, "response": texts[n], "reward": rewards[n]}
             for n in range(min(EXAMPLES, len(texts)))
         ]
-        self.ctx.record("eval", **dataclasses.asdict(result), examples=examples, task_errors=dict(errors))
+        self.ctx.record(RecordKind.EVAL, **dataclasses.asdict(result), examples=examples, task_errors=dict(errors))
 
     def _reward(self, i: int, text: str, errors: Counter) -> float:
         """task.reward of an answer to held-out problem i; with on_task_error = "drop", an answer it raises on

@@ -28,7 +28,7 @@ import torch
 from meshy.dataplane import HOST
 from meshy.dataplane import columns as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.context import RecordKind, RoleContext
 from meshy.recipes.usercode.held_out import WithoutHeldOut, held_out_problems, response_text
 from meshy.recipes.usercode.imports import import_object
 from meshy.recipes.usercode.task_errors import TaskError, call_task, checked_reward, engine_error
@@ -112,7 +112,7 @@ class RolloutRole:
                 continue
             self._write_batch(batch)
             held_out = {"held_out_skipped": self.problems.skipped} if isinstance(self.problems, WithoutHeldOut) else {}
-            ctx.record("batch", batch=batch, latest_version=latest, rows=self.rows_written, **held_out)
+            ctx.record(RecordKind.BATCH, batch=batch, latest_version=latest, rows=self.rows_written, **held_out)
             batch += 1
 
     def _skip_to(self, version: int) -> int:
@@ -140,7 +140,7 @@ class RolloutRole:
             except TaskError as e:
                 if not self.drop or in_a_row == MAX_UNTOKENIZED_IN_A_ROW:
                     raise
-                self.ctx.record("task_errors", rows=[], errors={e.summary: 1})
+                self.ctx.record(RecordKind.TASK_ERRORS, rows=[], errors={e.summary: 1})
         raise AssertionError("unreachable")
 
     def _write_batch(self, batch: int) -> None:
@@ -188,7 +188,7 @@ class RolloutRole:
                     dropped.append(row)
                     errors[e.summary] += 1
             if dropped:
-                self.ctx.record("task_errors", rows=dropped, errors=dict(errors))
+                self.ctx.record(RecordKind.TASK_ERRORS, rows=dropped, errors=dict(errors))
             client.add_columns(table, batch.row_ids, {cols.REWARD: torch.tensor(rewards, device=HOST)}, ack=batch)
 
     def _reward(self, row: int, response: list[int], truth: str) -> float:
@@ -222,7 +222,9 @@ class RolloutRole:
             ]
             client.add_columns(table, batch.row_ids, {cols.ADVANTAGE: per_token}, ack=batch)
             groups = len(batch) // algo.group_size
-            self.ctx.record("advantage", groups=groups, reward_mean=float(rewards.nanmean()), tied_below_best=stuck)
+            self.ctx.record(
+                RecordKind.ADVANTAGE, groups=groups, reward_mean=float(rewards.nanmean()), tied_below_best=stuck
+            )
 
     def critic_advantages(self) -> None:
         """GAE over the critic's values, outcome reward on the last token, gamma 1, lambda_i = k^(1/L_i);
