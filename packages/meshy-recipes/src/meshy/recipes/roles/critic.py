@@ -14,7 +14,7 @@ import torch.distributed as dist
 from meshy.dataplane import HOST
 from meshy.dataplane.weights import WEIGHTS_STREAM
 from meshy.recipes.roles.colocation import BUILD, DeviceTurns, record_released, step_burst
-from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.context import RecordKind, RoleContext
 from meshy.recipes.weights.pretrained import load_init
 from meshy.train import checkpoint, offload
 from meshy.train.critic_service import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
@@ -76,7 +76,7 @@ class CriticRole:
     def run(self) -> None:
         ctx, every = self.ctx, self.ctx.recipe.checkpoint_every
         ctx.watch_for_stop()
-        ctx.record("critic_start", version=self.saved_version, steps=self.service.trainer.steps)
+        ctx.record(RecordKind.CRITIC_START, version=self.saved_version, steps=self.service.trainer.steps)
         weights = ctx.client.reader(WEIGHTS_STREAM, f"critic-{ctx.slot.index}-checkpoints", start="latest")
         announced = valued = steps = 0
         while not ctx.stop.is_set():
@@ -84,13 +84,13 @@ class CriticRole:
             metrics = self.service.train_step(timeout=0.0)
             if metrics is not None:
                 steps += 1
-                ctx.record("critic_step", step=steps, **metrics)
+                ctx.record(RecordKind.CRITIC_STEP, step=steps, **metrics)
             for message in weights.read(max_n=1024, timeout=0.0):
                 announced = max(announced, message.payload["version"])
             if every:
                 self._checkpoint_due(announced // every * every)
         self.turns.close()
-        ctx.record("critic", valued=valued, steps=steps)
+        ctx.record(RecordKind.CRITIC, valued=valued, steps=steps)
 
     def _checkpoint_due(self, version: int) -> None:
         """Save under the newest checkpoint version every critic rank has seen announced, once."""
@@ -98,4 +98,4 @@ class CriticRole:
         if agreed > self.saved_version:
             checkpoint.save(self.ctx.run_dir / CHECKPOINTS, agreed, self.service.trainer, {"version": agreed})
             self.saved_version = agreed
-            self.ctx.record("critic_checkpoint", version=agreed, steps=self.service.trainer.steps)
+            self.ctx.record(RecordKind.CRITIC_CHECKPOINT, version=agreed, steps=self.service.trainer.steps)

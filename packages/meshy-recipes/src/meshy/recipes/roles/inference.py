@@ -11,7 +11,7 @@ from meshy.infer.inference_service import InferenceService, InferenceServiceConf
 from meshy.recipes.launch.startup import phase_done
 from meshy.recipes.recipe.dataflow import TURNS
 from meshy.recipes.roles.colocation import POLL_S, build_holding_token, join_ring, record_released
-from meshy.recipes.roles.context import RoleContext
+from meshy.recipes.roles.context import RecordKind, RoleContext
 from meshy.recipes.roles.engines import build_engine
 
 
@@ -83,7 +83,7 @@ class InferenceRole:
             if self.engine is not None:
                 await self.engine.close()
         if stats is not None:
-            self.ctx.record("inference", **dataclasses.asdict(stats))
+            self.ctx.record(RecordKind.INFERENCE, **dataclasses.asdict(stats))
 
     async def _serve_in(self, ring: GpuTokenRing | None) -> InferenceStats | None:
         """Serve until the run stops: its statistics, or None if it stopped before the engine was built."""

@@ -14,7 +14,7 @@ from meshy.recipes.launch.startup import phase_done
 from meshy.recipes.observe.metric_sinks import MetricSinks
 from meshy.recipes.observe.progress import Progress
 from meshy.recipes.roles.colocation import BUILD, DeviceTurns, record_released
-from meshy.recipes.roles.context import RoleContext, announce_stop
+from meshy.recipes.roles.context import RecordKind, RoleContext, announce_stop
 from meshy.recipes.roles.reference_weights import publish_reference
 from meshy.recipes.usercode.held_out import EVAL_DIR, EVAL_WEIGHTS, EvalFigures, EvalResults
 from meshy.recipes.weights.pretrained import load_init
@@ -101,7 +101,7 @@ class TrainingRole:
             progress = Progress(ctx.run_dir, steps, self._metrics(), sinks) if self.lead else None
             results = EvalResults(ctx.client) if self.lead and ctx.recipe.eval is not None else None
             self._evaluated = {m["version"] for m in self._metrics() if "eval/accuracy" in m}
-            ctx.record("train_start", version=self.service.version)
+            ctx.record(RecordKind.TRAIN_START, version=self.service.version)
             try:
                 while self.service.version < steps:
                     start = time.perf_counter()
@@ -113,7 +113,7 @@ class TrainingRole:
                         turn.payload = {"version": self.service.version}
                     if progress is not None:
                         progress.step(record)
-                        ctx.record("version", version=record["version"], reward_mean=record.get("reward_mean"))
+                        ctx.record(RecordKind.VERSION, version=record["version"], reward_mean=record.get("reward_mean"))
                     if results is not None:
                         for figures in results.drain():
                             self._eval_line(progress, figures)
@@ -215,5 +215,5 @@ class TrainingRole:
                 Path(published.location).rename(final)
                 (self.ctx.run_dir / "final").rmdir()
         if self.lead:
-            self.ctx.record("final", path=str(final), stream=WEIGHTS_STREAM)
+            self.ctx.record(RecordKind.FINAL, path=str(final), stream=WEIGHTS_STREAM)
         return final
