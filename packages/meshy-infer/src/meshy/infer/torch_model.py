@@ -12,114 +12,30 @@ two multiplies and a roll. `hf_parameters` names every parameter, or rows of one
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshy.dataplane import HOST, SchemaError
-from meshy.dataplane.fields import check_fields
+from meshy.dataplane import HOST
+from meshy.dataplane.decoder_arch import DecoderArch
 from meshy.dataplane.hf_directory import check_tensor_shapes
 
-LLAMA = "LlamaForCausalLM"
-QWEN3 = "Qwen3ForCausalLM"
-QWEN3_MOE = "Qwen3MoeForCausalLM"
-ARCHITECTURES = (LLAMA, QWEN3, QWEN3_MOE)
 LM_HEAD = "lm_head.weight"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The fields of an HF config.json the forward depends on."""
-
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise SchemaError(
-                f"config.json num_attention_heads: {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.architecture != LLAMA
-
-    @property
-    def moe(self) -> bool:
-        return self.architecture == QWEN3_MOE
-
-    @classmethod
-    def from_hf(cls, config: Mapping) -> "ModelConfig":
-        architectures = config.get("architectures") or []
-        if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
-            raise SchemaError(f"config.json architectures: expected one of {list(ARCHITECTURES)}, got {architectures}")
-        architecture = architectures[0]
-
-        def field(name: str):
-            if name not in config:
-                raise SchemaError(f"config.json: missing field {name!r} (needed by {architecture})")
-            return config[name]
-
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise SchemaError(f"config.json rope: only the default rope type is supported, got {rope}")
-        eos = config.get("eos_token_id")  # an id, a list of ids, or none
-        moe = {}
-        if architecture == QWEN3_MOE:
-            if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
-                raise SchemaError("config.json decoder_sparse_step/mlp_only_layers: every layer must be a mixture")
-            moe = {
-                "num_experts": field("num_experts"),
-                "num_experts_per_tok": field("num_experts_per_tok"),
-                "moe_intermediate_size": field("moe_intermediate_size"),
-                "norm_topk_prob": config.get("norm_topk_prob", True),
-            }
-        return cls(
-            architecture=architecture,
-            hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"),
-            num_hidden_layers=field("num_hidden_layers"),
-            num_attention_heads=field("num_attention_heads"),
-            num_key_value_heads=config.get("num_key_value_heads") or field("num_attention_heads"),
-            head_dim=config.get("head_dim") or field("hidden_size") // field("num_attention_heads"),
-            vocab_size=field("vocab_size"),
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-            rms_norm_eps=field("rms_norm_eps"),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-            eos_token_ids=tuple([] if eos is None else eos if isinstance(eos, list) else [eos]),
-            **moe,
-        )
+ModelConfig = DecoderArch  # the engine's name for the model's shape, which its callers import
 
 
 class KVCache:
     """Keys and values of every slot, per layer [slots, kv_heads, max_len, head_dim]. Zero-filled:
     positions past a slot's length are masked out, but a masked weight of 0 times NaN would still be NaN."""
 
-    def __init__(self, config: ModelConfig, slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: DecoderArch, slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
         shape = self.shape(config, slots, max_len)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
 
     @staticmethod
-    def shape(config: ModelConfig, slots: int, max_len: int) -> tuple[int, int, int, int]:
+    def shape(config: DecoderArch, slots: int, max_len: int) -> tuple[int, int, int, int]:
         """One layer's keys (or values)."""
         return (slots, config.num_key_value_heads, max_len, config.head_dim)
 
@@ -132,7 +48,7 @@ class KVCache:
             cache[target, :, :width] = cache[source, :, :width]
 
     @classmethod
-    def nbytes(cls, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype) -> int:
+    def nbytes(cls, config: DecoderArch, slots: int, max_len: int, dtype: torch.dtype) -> int:
         """What the cache of `slots` requests of `max_len` tokens takes, keys and values of every layer."""
         return 2 * config.num_hidden_layers * math.prod(cls.shape(config, slots, max_len)) * dtype.itemsize
 
@@ -204,7 +120,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: DecoderArch, layer: int):
         super().__init__()
         self.layer = layer
         self.heads = config.num_attention_heads
@@ -249,7 +165,7 @@ class MixtureOfExperts(nn.Module):
     their outputs, as HF's Qwen3MoeSparseMoeBlock. Also returns the experts each token chose, in order
     of falling router probability, for routing replay."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: DecoderArch):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
@@ -278,7 +194,7 @@ class MixtureOfExperts(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: DecoderArch, layer: int):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
@@ -299,7 +215,7 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     """HF's `model.` prefix: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: DecoderArch):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -309,7 +225,7 @@ class DecoderBody(nn.Module):
 class DecoderModel(nn.Module):
     """The causal LM. Build it with `load_model`; its state-dict keys are the HF tensor names."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: DecoderArch):
         super().__init__()
         self.config = config
         self.model = DecoderBody(config)
@@ -404,7 +320,7 @@ def _stack_layers(routed: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def load_model(
-    config: ModelConfig, tensors: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    config: DecoderArch, tensors: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype
 ) -> DecoderModel:
     """The model in inference mode on `device` in `dtype`, holding `tensors` (never randomly initialised)."""
     with torch.device("meta"):

@@ -112,7 +112,7 @@ def _moe(arch: DecoderArch):
                 gate_param_init=_NORMAL,
                 top_k=arch.num_experts_per_tok,
                 score_func="softmax",
-                route_norm=True,
+                route_norm=arch.norm_topk_prob,
             )
         ),
         routed_experts=make_routed_experts_config(

@@ -14,17 +14,17 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from meshy.dataplane import SchemaError
+from meshy.dataplane.decoder_arch import FORWARD_FIELDS, DecoderArch
 from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.model_source import read_model
-from meshy.infer.torch_model import ModelConfig
 from meshy.recipes.weights.hub import download_error
-from meshy.train.models import DecoderArch, get_model
+from meshy.train.models import get_model
 
 GGUF_PREFIX = "gguf:"
 HUB_PREFIX = "hf:"
@@ -71,9 +71,9 @@ def check_init(init: str, arch: DecoderArch) -> None:
             f'init: expected "{SCRATCH}", "{HUB_PREFIX}<owner/name>", "{GGUF_PREFIX}<name>" or an HF directory '
             f"with config.json and *.safetensors, got {init!r} ({e})"
         ) from None
-    config = ModelConfig.from_hf(directory.config())
-    for name in (f.name for f in fields(ModelConfig)):
-        if hasattr(arch, name) and getattr(config, name) != getattr(arch, name):
+    config = DecoderArch.from_hf(directory.config())
+    for name in FORWARD_FIELDS:
+        if getattr(config, name) != getattr(arch, name):
             raise SchemaError(
                 f"init: {directory.path / 'config.json'} has {name} = {getattr(config, name)!r}, the model expects "
                 f"{getattr(arch, name)!r}"
