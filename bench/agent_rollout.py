@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -55,7 +55,16 @@ from meshy.recipes.agents.trajectory import MAX_TURNS, run_trajectory
 from meshy.recipes.agents.turn_rows import turn_row_id
 from meshy.recipes.prompts.chat_templates import Message
 from meshy.recipes.prompts.problem import Problem
-from meshy.recipes.recipe import AgentSpec, ModelSpec, Recipe, RoleSpec, RolesSpec, SamplingSpec, TaskSpec
+from meshy.recipes.recipe import (
+    AgentSpec,
+    ModelSpec,
+    Recipe,
+    RoleSpec,
+    RolesSpec,
+    SamplingSpec,
+    TaskSpec,
+    check_recipe,
+)
 from meshy.recipes.recipe.dataflow import TURNS
 from meshy.recipes.recipe.topology import Slot
 from meshy.recipes.roles.context import RoleContext, announce_stop
@@ -118,7 +127,7 @@ def bench_recipe(args: argparse.Namespace, latency: float) -> Recipe:
     """The recipe both paths play; the data plane's environment role is built from it. The model ends its
     turns at the byte tokenizer's <|im_end|>, as the environment role requires."""
     context = args.max_tokens + 256  # the prompt and a trajectory's tokens: past the tiny model's 512 positions
-    return Recipe(
+    recipe = Recipe(
         name="agent-rollout-bench",
         model=ModelSpec(
             args.model, overrides={"eos_token_id": TOKENIZER.eos_token_id, "max_position_embeddings": context}
@@ -132,6 +141,8 @@ def bench_recipe(args: argparse.Namespace, latency: float) -> Recipe:
         sampling=SamplingSpec(max_new_tokens=args.max_tokens, context_length=context, max_in_flight=args.trajectories),
         roles=RolesSpec(environment=RoleSpec()),
     )
+    check_recipe(recipe)  # what load_recipe checks of a whole run (--turns, --max-tokens against the context)
+    return recipe
 
 
 def problem(row: int) -> Problem:
@@ -150,14 +161,12 @@ def inference_config(recipe: Recipe) -> InferenceServiceConfig:
     """The turns table's generation: the recipe's sampling, each row seeded by its id (seed 0), every
     turn ending at 1 id in STOP_EVERY."""
     sampling = recipe.sampling
+    stops = tuple(range(0, recipe.model.arch().vocab_size, STOP_EVERY))
     return InferenceServiceConfig(
         table=TURNS,
+        sampling=replace(sampling.params(seed=0), stop_token_ids=stops),
         max_in_flight=sampling.max_in_flight,
-        max_new_tokens=sampling.max_new_tokens,
         context_length=sampling.context_length,
-        temperature=sampling.temperature,
-        seed=0,
-        stop_token_ids=tuple(range(0, recipe.model.arch().vocab_size, STOP_EVERY)),
     )
 
 

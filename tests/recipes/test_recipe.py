@@ -346,11 +346,12 @@ def test_values_that_would_fail_mid_run_are_refused_at_load(tmp_path, section, f
 
 def test_an_init_directory_with_a_torn_config_json_names_the_file(tmp_path):
     from meshy.recipes.recipe import ModelSpec
+    from meshy.recipes.recipe.checks import check_model
 
     (tmp_path / "config.json").write_text('{"hidden_size": 6')
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(SchemaError, match=re.escape(f"model source {tmp_path / 'config.json'}: not valid JSON")):
-        ModelSpec(name="qwen3-tiny", init=str(tmp_path))
+        check_model(ModelSpec(name="qwen3-tiny", init=str(tmp_path)))
 
 
 @pytest.mark.parametrize("engine", ["torch", "sglang"])
@@ -358,3 +359,19 @@ def test_collective_publishing_reaches_either_engine(tmp_path, engine):
     text = DEFAULT.replace("max_in_flight = 256", f'max_in_flight = 256\nengine = "{engine}"')
     recipe = recipe_from(tmp_path, 'publish = "collective"\n' + text)
     assert recipe.publish == "collective" and recipe.sampling.engine == engine
+
+
+def test_the_sections_are_data_and_the_whole_run_is_checked_by_the_loader(tmp_path):
+    """Building a Recipe checks each field; what needs the whole run (roles, layout, data flow, the weights on
+    disk) is checked by recipe.checks, which load_recipe runs, naming the same paths building does."""
+    from meshy.recipes.recipe import AlgorithmSpec, ModelSpec, Recipe, check_recipe
+
+    lonely_ppo = Recipe(name="x", algorithm=AlgorithmSpec(kind="ppo"))
+    with pytest.raises(SchemaError, match=re.escape('recipe: algorithm.kind: "ppo" trains a learned critic')):
+        check_recipe(lonely_ppo)
+    no_weights = Recipe(name="x", model=ModelSpec(init=str(tmp_path / "nowhere")))
+    with pytest.raises(SchemaError, match=re.escape("recipe.model: init: expected")):
+        check_recipe(no_weights)
+    check_recipe(load_recipe())
+    with pytest.raises(SchemaError, match=re.escape("overrides: unknown architecture fields ['x']")):
+        ModelSpec(overrides={"x": 1})  # a field of its own, checked against another (name)

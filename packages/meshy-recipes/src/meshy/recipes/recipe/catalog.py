@@ -3,7 +3,8 @@
 from pathlib import Path
 
 from meshy.dataplane import SchemaError
-from meshy.recipes.recipe.spec import DEFAULT_RECIPE, Recipe, load_recipe
+from meshy.recipes.recipe.load import load_recipe
+from meshy.recipes.recipe.spec import DEFAULT_RECIPE, Recipe
 from meshy.recipes.recipe.topology import assign, on_node
 from meshy.recipes.usercode.imports import import_object
 

@@ -2,18 +2,14 @@
 read and write, in meshy.dataplane.columns), the table they share, and the check that every column one
 of them reads is written by another, so no row waits forever for a column nobody writes."""
 
-from typing import TYPE_CHECKING
-
 from meshy.dataplane import SchemaError, TableSpec
 from meshy.dataplane import columns as cols
-
-if TYPE_CHECKING:
-    from meshy.recipes.recipe.spec import Recipe
+from meshy.recipes.recipe.spec import Recipe
 
 TURNS = cols.turns_table().name  # a multi-turn run's second table: one row per policy turn
 
 
-def recipe_tasks(recipe: "Recipe") -> tuple[cols.Task, ...]:
+def recipe_tasks(recipe: Recipe) -> tuple[cols.Task, ...]:
     """The built-in tasks the recipe's algorithm runs, then one per custom role that names a task. A
     multi-turn run's environment role takes the place of generate and reward (its turns are generated
     in a table of their own: meshy.dataplane.columns)."""
@@ -43,7 +39,7 @@ def recipe_tasks(recipe: "Recipe") -> tuple[cols.Task, ...]:
     return tuple(tasks)
 
 
-def check_dataflow(recipe: "Recipe") -> None:
+def check_dataflow(recipe: Recipe) -> None:
     """Custom roles write only their own [[extra_columns]], and every column a task reads has a writer."""
     extra = [c.name for c in recipe.extra_columns]
     for role in recipe.roles.custom:
@@ -66,7 +62,7 @@ def check_dataflow(recipe: "Recipe") -> None:
         )
 
 
-def rollout_table(recipe: "Recipe") -> TableSpec:
+def rollout_table(recipe: Recipe) -> TableSpec:
     """The run's one table: the shared rollout columns (routed_experts when the run replays routing) and
     the recipe's extra columns. A row is freed once every task that retires rows acked it: training's,
     the critic's, and every custom role's that names a task."""
@@ -84,6 +80,6 @@ def rollout_table(recipe: "Recipe") -> TableSpec:
     )
 
 
-def tables(recipe: "Recipe") -> list[TableSpec]:
+def tables(recipe: Recipe) -> list[TableSpec]:
     """Every table of the run: the rollout table, and the turns table of a multi-turn run."""
     return [rollout_table(recipe)] + [cols.turns_table()] * recipe.multi_turn

@@ -1,7 +1,10 @@
 """Recipes: one TOML file declares a whole run. Typed, and validated before any process starts.
 
-Every section is a frozen dataclass; loading fails with one error naming the field's full path
-(`recipe.algorithm.loss.clip_low: ...`) for an unknown field, a wrong type or an impossible topology.
+Every section is a frozen dataclass that checks its own fields; `build` makes them from a TOML file's data,
+failing with one error naming the field's full path (`recipe.algorithm.loss.clip_low: ...`) for an unknown
+field or a wrong type. What only the whole run can check (an impossible topology, a column nobody writes, the
+weights the model starts from) is checked by meshy.recipes.recipe.checks, after the sections are built:
+load_recipe (meshy.recipes.recipe.load) runs both.
 Sections reuse the components' own configs (LossConfig, OptimConfig, ParallelConfig, DataPlaneConfig).
 """
 
@@ -9,10 +12,8 @@ import dataclasses
 import importlib.util
 import ipaddress
 import math
-import tomllib
 import types
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,10 +23,6 @@ from meshy.dataplane.fields import check_fields
 from meshy.infer.engine import SamplingParams
 from meshy.recipes.agents.trajectory import AgentLimits
 from meshy.recipes.prompts.chat_templates import TEMPLATES
-from meshy.recipes.recipe.dataflow import check_dataflow
-from meshy.recipes.recipe.overrides import Override, apply_overrides, blamed
-from meshy.recipes.recipe.topology import layout
-from meshy.recipes.weights.pretrained import check_init
 from meshy.train.models import get_model
 from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 
@@ -211,7 +208,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        check_init(self.init, self.arch())  # unknown model names and override fields fail here too
+        self.arch()  # an unknown model name or override field fails here (model.init: recipe.checks)
 
     def arch(self):
         arch = get_model(self.name)
@@ -577,198 +574,11 @@ class Recipe:
             raise SchemaError(f"hf_every: expected >= 0 versions between kept HF directories, got {self.hf_every}")
         if not 0 < self.stall_after_s < math.inf:
             raise SchemaError(f"stall_after_s: expected a finite number of seconds > 0, got {self.stall_after_s}")
-        roles = dict(self.roles.items())
-        kind = self.algorithm.kind
-        if kind == "ppo" and "critic" not in roles:
-            raise SchemaError('algorithm.kind: "ppo" trains a learned critic; add a [roles.critic] section')
-        if kind == "distill" and ("teacher" not in roles or self.model.teacher is None):
-            raise SchemaError('algorithm.kind: "distill" needs a [roles.teacher] section and model.teacher')
-        self._check_reference(roles)
-        if self.multi_turn or "environment" in roles:
-            self._check_multi_turn(roles)
-        if self.publish == "collective":
-            self._check_collective()
-        elif self.delta:
-            raise SchemaError(f'delta: sending only what changed needs publish = "collective", got "{self.publish}"')
-        if self.algorithm.routing_replay:
-            self._check_routing_replay()
-        self._check_context_length()
-        self._check_eval()
-        check_dataflow(self)
-        if self.algorithm.overlong_buffer > self.sampling.max_new_tokens:
-            raise SchemaError(
-                f"algorithm.overlong_buffer: expected <= sampling.max_new_tokens ({self.sampling.max_new_tokens}), "
-                f"got {self.algorithm.overlong_buffer}"
-            )
-        if self.algorithm.prompts_per_step % self.roles.training.processes:
-            raise SchemaError(
-                f"algorithm.prompts_per_step: {self.algorithm.prompts_per_step} groups do not split evenly "
-                f"over {self.roles.training.processes} training processes"
-            )
-        seen = set()
-        for ring in self.colocate:
-            for role in ring:
-                if role not in roles:
-                    raise SchemaError(f"colocate: unknown role {role!r}; roles are {list(roles)}")
-                if role not in RING_ROLES:
-                    raise SchemaError(
-                        f"colocate: role {role!r} does not take part in a GPU token ring; roles that do: "
-                        f"{list(RING_ROLES)}"
-                    )
-                if role in seen:
-                    raise SchemaError(f"colocate: role {role!r} is in more than one ring")
-                seen.add(role)
-            sizes = {roles[r].processes for r in ring}
-            if len(ring) < 2 or len(sizes) != 1:
-                raise SchemaError(f"colocate: ring {list(ring)} needs >= 2 roles with equal process counts")
-            if {"training", "critic"} <= set(ring) and sizes != {1}:
-                raise SchemaError(
-                    f"colocate: ring {list(ring)} holds training and critic, which each step in lock-step over "
-                    f"their {sizes.pop()} processes: one could hold ring i's token waiting for a peer that waits "
-                    "for ring j's, held by the other (a deadlock); colocate them with processes = 1, or put the "
-                    "critic in share_devices"
-                )
-        for group in self.share_devices:
-            for role in group:
-                if role not in roles:
-                    raise SchemaError(f"share_devices: unknown role {role!r}; roles are {list(roles)}")
-                if role in seen:
-                    raise SchemaError(
-                        f"share_devices: role {role!r} already shares devices (colocate or another group)"
-                    )
-                seen.add(role)
-            specs = [roles[r] for r in group]
-            if len(group) < 2 or len({(s.processes, s.devices_per_process) for s in specs}) != 1:
-                raise SchemaError(
-                    f"share_devices: group {list(group)} needs >= 2 roles with equal processes and devices_per_process"
-                )
-            fractions = [s.memory_fraction for s in specs]
-            if None in fractions or sum(fractions) > 1:
-                raise SchemaError(
-                    f"share_devices: roles {list(group)} need memory_fraction set, adding up to at most 1; got "
-                    f"{dict(zip(group, fractions, strict=True))}"
-                )
-        self._check_topology()
-
-    def _check_topology(self) -> None:
-        """The layout over nodes is checked here, whole, before any node starts; a single node's GPUs are
-        counted when it starts, unless the recipe names them (topology.gpus_per_node)."""
-        topology = self.topology
-        gpu_roles = any(spec.devices_per_process for _, spec in self.roles.items())
-        if topology.nodes > 1 and topology.gpus_per_node is None and gpu_roles:
-            raise SchemaError(
-                f"topology.gpus_per_node: a recipe for {topology.nodes} nodes with GPU roles names the GPUs of "
-                "each node, so that every node computes the same layout"
-            )
-        if self.roles.training.node:
-            raise SchemaError(
-                "roles.training.node: training process 0 runs on node 0 (it hosts the data plane's controller), "
-                f"got {self.roles.training.node}"
-            )
-        if topology.nodes > 1 and self.dataplane.host != DataPlaneConfig.host:
-            raise SchemaError(
-                f"dataplane.host: a multi-node run binds each node's own address ({self.dataplane.host!r} cannot "
-                "be every node's); name them in topology.addresses, or leave both out"
-            )
-        slots = layout(self, topology.gpus_per_node or 0)
-        publisher = next(s.node for s in slots if s.role == "training")
-        remote = sorted({s.node for s in slots if s.role == "inference"} - {publisher})
-        if self.publish == "shared-memory" and remote:
-            raise SchemaError(
-                'publish: "shared-memory" reaches engines on the node of training process 0 only, and inference '
-                f'runs on node {remote[0]} too; use publish = "collective" (or "disk" on a filesystem every '
-                "node mounts)"
-            )
-
-    def _check_collective(self) -> None:
-        """The broadcast needs every engine running and joining each version as it is announced: engines
-        that hand their devices to the trainer in turn cannot."""
-        for ring in self.colocate:
-            if "training" in ring and "inference" in ring:
-                raise SchemaError(
-                    f'publish: "collective" needs inference running while training publishes; colocate ring '
-                    f'{list(ring)} makes them take turns: use publish = "disk" or "shared-memory"'
-                )
-
-    def _check_reference(self, roles: dict) -> None:
-        """KL to the reference policy and the role that writes its ref_logprobs come together: a KL term
-        without the role would wait for the column forever, the role without the term would score for
-        nothing."""
-        loss = self.algorithm.loss
-        if loss.kl_coef and "reference" not in roles:
-            raise SchemaError(
-                f"algorithm.loss.kl_coef: KL to a reference policy ({loss.kl_coef}) needs a [roles.reference] "
-                "section, the role that writes ref_logprobs; add one or set kl_coef = 0"
-            )
-        if "reference" in roles and not loss.kl_coef:
-            raise SchemaError(
-                "[roles.reference]: the reference role scores every response for the KL term, and "
-                "algorithm.loss.kl_coef = 0 turns it off; set kl_coef > 0 or remove the section"
-            )
-        if loss.kl_coef and loss.temperature != 1:
-            raise SchemaError(
-                f"algorithm.loss.temperature: the reference role scores at temperature 1, so KL to it "
-                f"(algorithm.loss.kl_coef) needs temperature = 1, got {loss.temperature}"
-            )
 
     @property
     def multi_turn(self) -> bool:
         """Whether the run's trajectories are multi-turn, played by an environment role."""
         return bool(self.task.environment)
-
-    def _check_multi_turn(self, roles: dict) -> None:
-        if not self.multi_turn:
-            raise SchemaError(
-                "[roles.environment]: the environment role plays a multi-turn task; expected task.environment "
-                "(its environment factory), or no [roles.environment] section"
-            )
-        if "environment" not in roles:
-            raise SchemaError(
-                f"task.environment: {self.task.environment!r} makes the run multi-turn; expected a "
-                "[roles.environment] section, the role that plays its trajectories"
-            )
-        if self.agent.max_tokens >= self.sampling.context_length:
-            raise SchemaError(
-                f"agent.max_tokens: a trajectory's {self.agent.max_tokens} tokens after the prompt must fit "
-                f"sampling.context_length ({self.sampling.context_length}) with the prompt; expected fewer"
-            )
-        for name, unsupported in (
-            ("algorithm.kind", self.algorithm.kind == "distill"),
-            ("algorithm.routing_replay", self.algorithm.routing_replay),
-            ("algorithm.overlong_buffer", self.algorithm.overlong_buffer > 0),
-        ):
-            if unsupported:
-                raise SchemaError(
-                    f"{name}: multi-turn runs (task.environment) train on whole trajectories with GRPO or PPO; "
-                    'expected algorithm.kind = "grpo" or "ppo", no routing_replay and overlong_buffer = 0'
-                )
-
-    def _check_context_length(self) -> None:
-        positions = self.model.arch().max_position_embeddings
-        if self.sampling.context_length > positions:
-            raise SchemaError(
-                f"sampling.context_length: expected at most model {self.model.name!r}'s max_position_embeddings "
-                f"({positions}), the positions a prompt and its response share, got {self.sampling.context_length} "
-                "(model.overrides can raise max_position_embeddings)"
-            )
-
-    def _check_eval(self) -> None:
-        if self.roles.eval is not None and self.eval is None:
-            raise SchemaError(
-                "[roles.eval]: the eval role evaluates what an [eval] section describes; add one, or remove the role"
-            )
-        if self.eval is None:
-            return
-        if self.multi_turn:
-            raise SchemaError(
-                "eval: held-out evaluation plays single-turn problems; a multi-turn task (task.environment) is not "
-                "evaluated by the eval role yet"
-            )
-        if self.eval_max_new_tokens >= self.sampling.context_length:
-            raise SchemaError(
-                f"eval.max_new_tokens: {self.eval_max_new_tokens} tokens leave no room for a prompt in "
-                f"sampling.context_length ({self.sampling.context_length}); expected fewer"
-            )
 
     @property
     def eval_max_new_tokens(self) -> int:
@@ -776,35 +586,9 @@ class Recipe:
         assert self.eval is not None
         return self.eval.max_new_tokens or self.sampling.max_new_tokens
 
-    def _check_routing_replay(self) -> None:
-        arch = self.model.arch()
-        if not arch.moe:
-            raise SchemaError(
-                f"algorithm.routing_replay: model {self.model.name!r} is dense (num_experts = 0); routing replay "
-                "needs a mixture-of-experts model"
-            )
-
     @property
     def world_size(self) -> int:
         return sum(spec.processes for _, spec in self.roles.items())
-
-
-def load_recipe(source: str | Path | None = None, overrides: Sequence[Override] = ()) -> Recipe:
-    """A recipe from a TOML file (None: the embedded default), with `--set` overrides applied to its data."""
-    path = Path(source) if source is not None else DEFAULT_RECIPE
-    if not path.is_file():
-        raise SchemaError(f"recipe: no file {path}")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise SchemaError(f"recipe {path}: not valid TOML: {e}") from None
-    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
-        raise SchemaError(f"recipe {path}: arrays or tables nested too deeply") from None
-    data = apply_overrides(data, overrides)
-    try:
-        return build(Recipe, data, "recipe")
-    except SchemaError as e:
-        raise blamed(e, overrides) from None
 
 
 def build(cls: type, data: Any, path: str) -> Any:

@@ -12,12 +12,9 @@ runs on the CPU, in the same places.
 """
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from meshy.dataplane import SchemaError
-
-if TYPE_CHECKING:
-    from meshy.recipes.recipe.spec import Recipe
+from meshy.recipes.recipe.spec import Recipe
 
 
 @dataclass(frozen=True)
@@ -37,7 +34,7 @@ class Slot:
         return f"cuda:{self.devices[0]}" if self.devices else "cpu"
 
 
-def layout(recipe: "Recipe", gpus_per_node: int) -> list[Slot]:
+def layout(recipe: Recipe, gpus_per_node: int) -> list[Slot]:
     """Every process of the recipe placed on `recipe.topology.nodes` nodes of `gpus_per_node` GPUs (0:
     placed as if on CPUs), in rank order. Raises SchemaError naming the field that makes it impossible."""
     nodes = recipe.topology.nodes
@@ -89,7 +86,7 @@ def layout(recipe: "Recipe", gpus_per_node: int) -> list[Slot]:
     return [replace(slot, rank=rank) for rank, slot in enumerate(ordered)]
 
 
-def assign(recipe: "Recipe", world_size: int, gpus_per_node: int = 0) -> dict[int, Slot]:
+def assign(recipe: Recipe, world_size: int, gpus_per_node: int = 0) -> dict[int, Slot]:
     """rank -> Slot for every rank of a world of `world_size` processes, on nodes with `gpus_per_node` GPUs
     each (this host's). A recipe that names its GPUs per node is placed by it, and needs that many here."""
     if world_size != recipe.world_size:
