@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane.weight_sync import WeightSyncGroup
-from meshy.dataplane.weights import COLLECTIVE, Published
+from meshy.dataplane.weights import Published, Transport
 from meshy.infer.torch_engine import TorchEngine
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
@@ -89,7 +89,7 @@ def engine_process(port: int | None, first: str, dtype: str, device: str, announ
     done.put(engine.weight_version)
     while (message := next_announcement(announced, parent)) is not None:
         published = Published.from_message(message)
-        source = group.receive(published)[1] if published.format == COLLECTIVE and group else published
+        source = group.receive(published)[1] if published.transport is Transport.COLLECTIVE and group else published
         loop.run_until_complete(engine.update_weights(published.version, source))
         assert engine.weight_version == published.version
         if device == "cuda":

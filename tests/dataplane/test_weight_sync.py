@@ -10,7 +10,7 @@ import torch.distributed as dist
 from meshy.dataplane import SchemaError
 from meshy.dataplane.errors import WeightSyncError
 from meshy.dataplane.weight_sync import WeightSyncGroup
-from meshy.dataplane.weights import COLLECTIVE, Published
+from meshy.dataplane.weights import Published, Transport
 from tests.dataplane import workers
 
 
@@ -77,7 +77,7 @@ def test_a_member_that_never_joins_fails_the_group_at_its_timeout_naming_it():
 
 def test_a_hosted_group_that_a_member_never_joins_fails_the_first_send_at_its_timeout():
     group = WeightSyncGroup.hosting("127.0.0.1", 2, "meshy-test", timeout_s=2)
-    published = Published(1, COLLECTIVE, "{}", "", 0, 0.0)
+    published = Published(1, Transport.COLLECTIVE, "{}", "", 0, 0.0)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match="rank 0 of 2: could not connect to every member"):
         group.send(published, {})

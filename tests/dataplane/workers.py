@@ -117,7 +117,7 @@ def weight_sync_member(
     import torch.distributed as dist
 
     from meshy.dataplane.weight_sync import WeightSyncGroup
-    from meshy.dataplane.weights import COLLECTIVE, BucketLayout, Published, tensors_checksum
+    from meshy.dataplane.weights import BucketLayout, Published, Transport, tensors_checksum
 
     if hosted:
         group = WeightSyncGroup.hosting("127.0.0.1", size, "meshy-test", timeout_s=60) if rank == 0 else None
@@ -134,7 +134,7 @@ def weight_sync_member(
         meta = {"config": {"model_type": "test"}, "buckets": layout.sizes, "tensors": layout.manifest}
         if hosted:
             meta["rendezvous"] = group.rendezvous
-        published = Published(1, COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), 0.0)
+        published = Published(1, Transport.COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), 0.0)
         for _ in range(size - 1):
             announced.put(published.to_message())
         t0 = time.monotonic()

@@ -202,7 +202,7 @@ async def test_update_from_a_published_directory_is_verified(engine, published, 
     data[-5] ^= 0xFF
     (corrupt / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CorruptWeights, match="v3 .*checksum mismatch"):
-        await engine.update_weights(3, Published(3, first.format, str(corrupt), first.checksum, 0, 0.0))
+        await engine.update_weights(3, Published(3, first.transport, str(corrupt), first.checksum, 0, 0.0))
     with pytest.raises(SchemaError, match="version: 4 given for published version 2"):
         await engine.update_weights(4, second)
     layer = "model.layers.1.mlp.up_proj.weight"

@@ -4,11 +4,11 @@ would need it refuses to start without it, and it leaves SGLang's own requests a
 import pytest
 
 from meshy.dataplane import SchemaError
-from meshy.dataplane.weights import COLLECTIVE, Published
+from meshy.dataplane.weights import Published, Transport
 from meshy.infer import sglang_plugin
 from meshy.infer.sglang_engine import SGLangEngine
 
-PUBLISHED = Published(3, COLLECTIVE, '{"config": {}, "buckets": {}, "tensors": []}', "", 0, 0.0)
+PUBLISHED = Published(3, Transport.COLLECTIVE, '{"config": {}, "buckets": {}, "tensors": []}', "", 0, 0.0)
 
 
 def test_the_plugin_is_registered_where_sglang_loads_plugins_from(monkeypatch):

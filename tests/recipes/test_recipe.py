@@ -95,7 +95,7 @@ def test_the_embedded_default_loads_and_resolves():
         ),
         (
             lambda t: 'publish = "nccl"\n' + t,
-            "Recipe.publish: expected Literal['disk', 'shared-memory', 'collective'], got str 'nccl'",
+            "recipe.publish: expected one of ['disk', 'shared-memory', 'collective'], got str 'nccl'",
         ),
         (
             lambda t: t.replace("[algorithm.loss]", "[algorithm.loss]\nkl_coef = 0.05"),

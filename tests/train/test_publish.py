@@ -14,11 +14,10 @@ from meshy.dataplane import SchemaError, weights
 from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import (
-    DISK,
-    SHARED_MEMORY,
     BucketLayout,
     CorruptWeights,
     Published,
+    Transport,
     read_published,
     tensors_checksum,
     unpack_buckets,
@@ -145,7 +144,7 @@ def test_every_nth_version_is_kept_as_an_hf_directory_whatever_the_transport(tmp
         rl_step(model, version + 1)
         expected[version] = dict(hf_tensors(model, arch, torch.bfloat16))
         published = publisher.publish(model, version)
-        assert published.version == version and published.format == {"disk": DISK}.get(transport, SHARED_MEMORY)
+        assert published.version == version and published.transport == Transport(transport)
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["v000000", "v000002", "v000004"]
     for version in (0, 2, 4):
         tensors = dict(HFDirectory.open(tmp_path / "kept" / f"v{version:06d}").tensors())

@@ -31,10 +31,10 @@ import torch.distributed as dist
 from meshy.dataplane import weight_delta
 from meshy.dataplane.errors import SchemaError, WeightSyncError
 from meshy.dataplane.weights import (
-    COLLECTIVE,
     BucketLayout,
     CorruptWeights,
     Published,
+    Transport,
     check_checksum,
     combine_digests,
     digest_later,
@@ -119,8 +119,10 @@ class WeightSyncGroup:
 
         The tensors are views into this member's buffers, valid until the next receive: a whole version
         is received into the same buffers every time, and a delta is applied to them in place."""
-        if published.format != COLLECTIVE:
-            raise SchemaError(f"weights v{published.version}: format {published.format!r}, expected {COLLECTIVE}")
+        if published.transport is not Transport.COLLECTIVE:
+            raise SchemaError(
+                f"weights v{published.version}: {published.transport} version: expected {Transport.COLLECTIVE}"
+            )
         if self.rank == PUBLISHER:
             raise SchemaError(f"weight-sync group: rank {PUBLISHER} sends; it does not receive")
         meta = json.loads(published.location)

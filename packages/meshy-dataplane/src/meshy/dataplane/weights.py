@@ -1,9 +1,9 @@
 """The `weights` control stream's contract between whoever publishes weights and whoever loads them.
 
-A message announces one version: where it is (an HF safetensors directory, shared-memory buckets on
-this host, or buckets that follow on the weight-sync process group: meshy.dataplane.weight_sync), its
-size and a checksum of its tensors. Readers verify the checksum before they return anything, so a
-truncated or corrupted version is refused whole.
+A message announces one version: how it travels (its Transport: an HF safetensors directory,
+shared-memory buckets on this host, or buckets that follow on the weight-sync process group:
+meshy.dataplane.weight_sync), where it is, its size and a checksum of its tensors. Readers verify the
+checksum before they return anything, so a truncated or corrupted version is refused whole.
 
 Buckets (shared memory, collective) are flat byte buffers; the announcement's manifest says where each
 tensor lies in which bucket (name, dtype, shape, bucket, offset, nbytes).
@@ -14,7 +14,8 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from enum import StrEnum
 from multiprocessing import shared_memory
 
 import torch
@@ -25,9 +26,6 @@ from meshy.dataplane.errors import DataPlaneError, SchemaError
 from meshy.dataplane.hf_directory import HFDirectory
 
 WEIGHTS_STREAM = "weights"
-DISK = "hf-safetensors"
-SHARED_MEMORY = "shared-memory"
-COLLECTIVE = "collective"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _BUCKET_DTYPES = {**DTYPES, "int32": torch.int32}  # a delta's indices travel in buckets too
 
@@ -42,6 +40,39 @@ class CorruptWeights(DataPlaneError):
     """Published weights whose bytes do not match the checksum they were announced with."""
 
 
+class Transport(StrEnum):
+    """How versions reach the engines (a recipe's `publish` names one by its value)."""
+
+    DISK = "disk"
+    """HF safetensors directories, loadable by `transformers`."""
+    SHARED_MEMORY = "shared-memory"
+    """Buckets in shared memory on the publisher's host."""
+    COLLECTIVE = "collective"
+    """Buckets broadcast on the weight-sync group (meshy.dataplane.weight_sync)."""
+
+    @property
+    def format(self) -> str:
+        """What an announcement of this transport carries as its `format`."""
+        return _FORMATS[self]
+
+    @classmethod
+    def of_format(cls, format: str) -> "Transport":
+        """The transport an announcement's `format` names."""
+        for transport, name in _FORMATS.items():
+            if name == format:
+                return transport
+        raise SchemaError(f"weights message: format {format!r}: expected one of {list(_FORMATS.values())}")
+
+
+# An announcement names a directory by what it holds; the name stays, so announcements a run directory
+# keeps (meshy.recipes.roles.reference_weights) read back whichever release wrote them.
+_FORMATS = {
+    Transport.DISK: "hf-safetensors",
+    Transport.SHARED_MEMORY: "shared-memory",
+    Transport.COLLECTIVE: "collective",
+}
+
+
 @dataclass(frozen=True)
 class Published:
     """One version as announced on the `weights` stream.
@@ -52,21 +83,32 @@ class Published:
     """
 
     version: int
-    format: str
+    transport: Transport
     location: str
     checksum: str
     num_bytes: int
     seconds: float
 
     def to_message(self) -> dict:
-        return asdict(self)
+        """The stream's message: these fields, with the transport as its `format` (Transport.format)."""
+        return {
+            "version": self.version,
+            "format": self.transport.format,
+            "location": self.location,
+            "checksum": self.checksum,
+            "num_bytes": self.num_bytes,
+            "seconds": self.seconds,
+        }
 
     @classmethod
     def from_message(cls, message: dict) -> "Published":
+        fields = dict(message)
         try:
-            return cls(**message)
-        except TypeError as e:
-            raise SchemaError(f"weights message: expected the fields of Published, got {sorted(message)}") from e
+            return cls(transport=Transport.of_format(fields.pop("format")), **fields)
+        except (KeyError, TypeError) as e:
+            raise SchemaError(
+                f"weights message: expected the fields of Published (its transport as format), got {sorted(message)}"
+            ) from e
 
 
 def _digest_of_header(tensor: torch.Tensor) -> "xxhash.xxh3_128":
@@ -106,25 +148,25 @@ def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def read_published(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, HF name -> tensor) of a version, after verifying its checksum."""
-    if published.format == DISK:
+    if published.transport is Transport.DISK:
         with _corrupt_if_unreadable(published):
             directory = HFDirectory.open(published.location)
             tensors = dict(directory.tensors())
             check_checksum(published, tensors_checksum(tensors))
             return directory.config(), tensors  # config.json is not covered by the checksum
-    if published.format == SHARED_MEMORY:
+    if published.transport is Transport.SHARED_MEMORY:
         return _read_shared_memory(published)
     raise SchemaError(
-        f"weights v{published.version}: format {published.format!r} is not {DISK} or {SHARED_MEMORY} "
-        f"({COLLECTIVE} versions are received on the weight-sync group: meshy.dataplane.weight_sync)"
+        f"weights v{published.version}: {published.transport} versions are not read but received on the "
+        "weight-sync group (meshy.dataplane.weight_sync)"
     )
 
 
 def verify_published(published: Published) -> tuple[HFDirectory, dict, dict[str, tuple[int, ...]]]:
     """A published directory's (directory, config.json, tensor shapes), after checking its tensors against
     the announced checksum. Holds one tensor at a time (read_published holds the whole model)."""
-    if published.format != DISK:
-        raise SchemaError(f"weights v{published.version}: format {published.format!r}: expected {DISK}")
+    if published.transport is not Transport.DISK:
+        raise SchemaError(f"weights v{published.version}: {published.transport} version: expected a directory")
     with _corrupt_if_unreadable(published):
         directory = HFDirectory.open(published.location)
         digests, shapes = {}, {}
@@ -146,7 +188,7 @@ def _corrupt_if_unreadable(published: Published) -> Iterator[None]:
 def check_checksum(published: Published, checksum: str) -> None:
     """CorruptWeights unless `checksum` is the one `published` announced."""
     if checksum != published.checksum:
-        where = f"at {published.location}" if published.format == DISK else f"({published.format})"
+        where = f"at {published.location}" if published.transport is Transport.DISK else f"({published.transport})"
         raise CorruptWeights(f"weights v{published.version} {where}: checksum mismatch")
 
 

@@ -37,7 +37,7 @@ from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import columns as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weight_sync import WeightSyncGroup
-from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, CorruptWeights, Published, resync_stream
+from meshy.dataplane.weights import WEIGHTS_STREAM, CorruptWeights, Published, Transport, resync_stream
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, Engine, SamplingParams, WeightsSource
 
 log = logging.getLogger(__name__)
@@ -333,10 +333,10 @@ class InferenceService:
         if not announced:
             return
         async with self._loading:
-            if announced[-1].format == COLLECTIVE and self.weight_sync is None:
+            if announced[-1].transport is Transport.COLLECTIVE and self.weight_sync is None:
                 await self._receive_in_engine(announced)
                 return
-            if announced[-1].format == COLLECTIVE:
+            if announced[-1].transport is Transport.COLLECTIVE:
                 received = await self._receive(announced)
                 if received is not None and received[0] > self.engine.weight_version:
                     await self._load(*received)

@@ -72,12 +72,10 @@ from meshy.dataplane import HOST, SchemaError, WeightSyncError
 from meshy.dataplane.hf_directory import HFDirectory, check_tensor_shapes
 from meshy.dataplane.model_source import ModelSource, read_model
 from meshy.dataplane.weights import (
-    COLLECTIVE,
-    DISK,
-    SHARED_MEMORY,
     BucketLayout,
     CorruptWeights,
     Published,
+    Transport,
     read_published,
     verify_published,
 )
@@ -271,7 +269,7 @@ def _routed_experts(meta: Mapping, count: int, layers: int, top_k: int) -> torch
 class SGLangEngine(Engine):
     """An Engine on an in-process sglang.Engine (see the module docstring for what it can and cannot do).
 
-    source: a Published hf-safetensors version (its checksum is verified first) or an HF checkpoint
+    source: a Published version on disk (its checksum is verified first) or an HF checkpoint
     directory; `version` is its weights version (by default a Published's own, else 0). `max_len` is the
     context length (prompt + output), `max_running` the most requests decoded at once (by default
     SGLang's choice from memory). `pause_mode`: "retract" or "abort" (see the module docstring).
@@ -331,7 +329,7 @@ class SGLangEngine(Engine):
         self._weight_sync_group: str | None = None  # SGLang's name of the group, once joined
         in_memory = None  # (config, tensors) to load once SGLang runs
         broadcast = None  # the announced version to receive once SGLang runs
-        if isinstance(source, Published) and source.format == COLLECTIVE:
+        if isinstance(source, Published) and source.transport is Transport.COLLECTIVE:
             if weight_sync_rank is None:
                 raise SchemaError(
                     f"SGLangEngine source: v{source.version} is broadcast on the weight-sync group; an engine "
@@ -346,10 +344,10 @@ class SGLangEngine(Engine):
             broadcast = source
             version = source.version if version is None else version
         elif isinstance(source, Published):
-            if source.format != DISK:
+            if source.transport is not Transport.DISK:
                 raise SchemaError(
-                    f"SGLangEngine source: a {source.format} version cannot start an engine; start from a "
-                    f"{DISK} version, a directory or (config, tensors), then update_weights"
+                    f"SGLangEngine source: a {source.transport} version cannot start an engine; start from a "
+                    f"{Transport.DISK} version, a directory or (config, tensors), then update_weights"
                 )
             directory, self.config, self._shapes = verify_published(source)
             model_path = directory.path
@@ -507,22 +505,18 @@ class SGLangEngine(Engine):
         if isinstance(source, Published):
             if source.version != version:
                 raise SchemaError(f"update_weights version: {version} given for published version {source.version}")
-            if source.format == COLLECTIVE:
+            if source.transport is Transport.COLLECTIVE:
                 meta = json.loads(source.location)
                 if "delta" not in meta:  # a delta's manifest holds its changes; what it rebuilds is verified
                     self._check_model(version, meta["config"], BucketLayout.of(meta).shapes)
                 await self._run(self._update_from_broadcast_on_loop(version, source))
                 return
-            if source.format == DISK:
+            if source.transport is Transport.DISK:
                 directory, config, shapes = await asyncio.to_thread(verify_published, source)
                 self._check_model(version, config, shapes)
                 await self._run(self._update_from_disk_on_loop(version, directory.path))
                 return
-            if source.format != SHARED_MEMORY:
-                raise SchemaError(
-                    f"weights v{version}: format {source.format!r} is not {DISK}, {SHARED_MEMORY} or {COLLECTIVE}"
-                )
-            config, source = await asyncio.to_thread(read_published, source)
+            config, source = await asyncio.to_thread(read_published, source)  # from shared memory
             self._check_model(version, config, {name: tuple(t.shape) for name, t in source.items()})
         else:  # checked here for the same reason as in _check_model
             check_tensor_shapes(

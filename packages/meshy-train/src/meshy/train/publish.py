@@ -27,14 +27,12 @@ from torch.distributed.tensor import DTensor
 from meshy.dataplane import DataPlaneClient, SchemaError, weight_delta
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import (
-    COLLECTIVE,
-    DISK,
     DTYPES,
-    SHARED_MEMORY,
     WEIGHTS_STREAM,
     BucketLayout,
     Published,
     TensorSpec,
+    Transport,
     combine_digests,
     digest_later,
     place_and_digest,
@@ -154,7 +152,7 @@ class DirectoryPublisher:
         (tmp / "config.json").write_text(json.dumps(self.arch.hf_config(self.dtype), indent=1))
         checksum = combine_digests({name: digest.result() for name, digest in digests.items()})
         os.rename(tmp, final)
-        published = Published(version, DISK, str(final), checksum, num_bytes, time.perf_counter() - start)
+        published = Published(version, Transport.DISK, str(final), checksum, num_bytes, time.perf_counter() - start)
         if self.client is not None:
             self.client.append(self.stream, published.to_message())
         self._prune(version)
@@ -226,7 +224,12 @@ class SharedMemoryPublisher:
             raise
         meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
         published = Published(
-            version, SHARED_MEMORY, json.dumps(meta), checksum, sum(layout.sizes.values()), time.perf_counter() - start
+            version,
+            Transport.SHARED_MEMORY,
+            json.dumps(meta),
+            checksum,
+            sum(layout.sizes.values()),
+            time.perf_counter() - start,
         )
         self._versions[version] = list(buckets.values())
         if self.client is not None:
@@ -316,7 +319,9 @@ class CollectivePublisher:
         if self.group.rendezvous is not None:  # engines that join the group themselves learn where here
             meta["rendezvous"] = self.group.rendezvous
         seconds = time.perf_counter() - start  # gathered and packed
-        published = Published(version, COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), seconds)
+        published = Published(
+            version, Transport.COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), seconds
+        )
         if self.client is not None:
             self.client.append(self.stream, published.to_message())
         self.group.send(published, sent)

@@ -10,6 +10,7 @@ import secrets
 from pathlib import Path
 
 from meshy.dataplane import SchemaError
+from meshy.dataplane.weights import Transport
 from meshy.recipes.launch.cluster import Cluster
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.recipe.topology import Slot
@@ -23,7 +24,7 @@ def shared_reasons(recipe: Recipe, slots: dict[int, Slot]) -> list[str]:
     publisher = nodes["training"][0]
     reasons = []
     elsewhere = [n for n in nodes["inference"] if n != publisher]
-    if recipe.publish == "disk" and elsewhere:
+    if recipe.publish is Transport.DISK and elsewhere:
         reasons.append(
             f'publish = "disk": inference on node {elsewhere[0]} loads the weights training writes on node '
             f"{publisher} (weights/)"

@@ -7,6 +7,7 @@ attribute docstring (the string literal right under the field), read from the cl
 
 import ast
 import dataclasses
+import enum
 import inspect
 import itertools
 import re
@@ -118,6 +119,8 @@ def type_name(annotation: Any) -> str:
         return "None"
     if origin is typing.Literal:
         return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):  # written as its members' values
+        return type_name(typing.Literal[tuple(member.value for member in annotation)])
     if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
     if origin is tuple:

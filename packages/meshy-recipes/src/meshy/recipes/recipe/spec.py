@@ -9,6 +9,7 @@ Sections reuse the components' own configs (LossConfig, OptimConfig, ParallelCon
 """
 
 import dataclasses
+import enum
 import importlib.util
 import ipaddress
 import math
@@ -20,6 +21,7 @@ from typing import Any, Literal
 
 from meshy.dataplane import Column, DataPlaneConfig, SchemaError
 from meshy.dataplane.fields import check_fields
+from meshy.dataplane.weights import Transport
 from meshy.infer.engine import SamplingParams
 from meshy.recipes.agents.trajectory import AgentLimits
 from meshy.recipes.prompts.chat_templates import TEMPLATES
@@ -520,7 +522,7 @@ class Recipe:
     stall_after_s: float = 300.0
     """A run in which no rows move and no version is published for this long prints what every task waits for
     and stops (meshy.recipes.launch.watchdog)."""
-    publish: Literal["disk", "shared-memory", "collective"] = "disk"
+    publish: Transport = Transport.DISK
     """How weights reach inference: "disk" (HF directories), "shared-memory" (buckets on this host) or
     "collective" (buckets broadcast from training rank 0 to every inference process on a process group of their
     own, which SGLang engines' schedulers join themselves: meshy.recipes.roles.sync_group)."""
@@ -615,6 +617,8 @@ def _value(annotation: Any, value: Any, path: str) -> Any:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if dataclasses.is_dataclass(annotation):
         return build(annotation, value, path)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return _member(annotation, value, path)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if dataclasses.is_dataclass(a)]
         if inner and isinstance(value, dict):
@@ -624,3 +628,12 @@ def _value(annotation: Any, value: Any, path: str) -> Any:
         item = args[0] if args else Any
         return tuple(_value(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     return value
+
+
+def _member(choices: type[enum.Enum], value: Any, path: str) -> enum.Enum:
+    """The member of `choices` whose value a recipe writes."""
+    try:
+        return choices(value)
+    except (ValueError, TypeError):
+        allowed = [member.value for member in choices]
+        raise SchemaError(f"{path}: expected one of {allowed}, got {type(value).__name__} {value!r}") from None

@@ -5,7 +5,7 @@ import dataclasses
 
 from meshy.dataplane import GpuTokenRing
 from meshy.dataplane.model_source import ModelSource
-from meshy.dataplane.weights import COLLECTIVE, WEIGHTS_STREAM, Published
+from meshy.dataplane.weights import WEIGHTS_STREAM, Published, Transport
 from meshy.infer.engine import Engine
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
 from meshy.recipes.launch.startup import phase_done
@@ -36,7 +36,7 @@ class InferenceRole:
                 messages = reader.read(max_n=1024, timeout=POLL_S)
                 for message in messages:
                     published = Published.from_message(message.payload)
-                    collective = published.format == COLLECTIVE
+                    collective = published.transport is Transport.COLLECTIVE
                     # (with SGLang, the engine joins and receives it itself, once built from the announcement)
                     received = collective and self.ctx.weight_sync is not None
                     source = self.ctx.weight_sync.receive(published) if received else published

@@ -8,6 +8,7 @@ their role runs; SGLang's schedulers join at the first version, whose announceme
 import torch.distributed as dist
 
 from meshy.dataplane.weight_sync import WeightSyncGroup
+from meshy.dataplane.weights import Transport
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.recipe.topology import Slot
 
@@ -22,7 +23,7 @@ def _ranks_of(recipe: Recipe, slot: Slot) -> int:
 
 def weight_sync_rank(recipe: Recipe, slot: Slot) -> int | None:
     """This slot's (first) rank in the weight-sync group, or None if it is not a member (or there is none)."""
-    if recipe.publish != "collective":
+    if recipe.publish is not Transport.COLLECTIVE:
         return None
     if slot.role == "training" and slot.index == 0:
         return 0

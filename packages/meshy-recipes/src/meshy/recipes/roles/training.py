@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshy.dataplane.weights import WEIGHTS_STREAM
+from meshy.dataplane.weights import WEIGHTS_STREAM, Transport
 from meshy.recipes.launch.startup import phase_done
 from meshy.recipes.observe.metric_sinks import MetricSinks
 from meshy.recipes.observe.progress import Progress
@@ -37,9 +37,9 @@ class TrainingRole:
         with self.turns.turn(BUILD):
             model, _ = build_model(self.arch, algo.parallel, device=self.device, dtype=dtype, seed=recipe.seed)
             self.trainer = PolicyTrainer(model, algo.optim, algo.loss)
-        if recipe.publish == "shared-memory":
+        if recipe.publish is Transport.SHARED_MEMORY:
             publisher = SharedMemoryPublisher(f"meshy-{ctx.run_dir.name}", self.arch, ctx.client, dtype=dtype)
-        elif recipe.publish == "collective":
+        elif recipe.publish is Transport.COLLECTIVE:
             publisher = CollectivePublisher(ctx.weight_sync, self.arch, ctx.client, dtype=dtype, delta=recipe.delta)
         else:
             publisher = DirectoryPublisher(ctx.run_dir / "weights", self.arch, ctx.client, dtype=dtype, keep=4)
