@@ -9,5 +9,6 @@
   advantages are its own). A blocking service does one unit of work per call, and the role loops over
   it until the stop (training, critic, rollout). An asyncio service loops itself until an asyncio stop
   event (inference, teacher, reference); the role runs it under `ctx.until_stopped`, the one bridge from
-  the role's stop flag to that event.
+  the role's stop flag to that event. Teacher and reference, which score responses, are one shape
+  (meshy.recipes.roles.scoring_role), each saying with which weights and which service.
 """
