@@ -183,7 +183,7 @@ def summary(played: Sequence[tuple[str, int]], seconds: float) -> dict:
 # ---- in-process ---------------------------------------------------------------------------------
 async def play(engine: TorchEngine, recipe: Recipe, row: int, latency: float) -> tuple[str, int]:
     """One trajectory, each turn sampled as the inference service samples turn row `turn_row_id(row, turn)`."""
-    sampling, agent, turns = inference_config(recipe).sampling, recipe.agent, 0
+    sampling, agent, turns = inference_config(recipe).row_sampling, recipe.agent, 0
 
     async def generate(input_ids: list[int], max_new_tokens: int) -> Generation:
         nonlocal turns

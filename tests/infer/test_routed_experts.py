@@ -129,9 +129,8 @@ def test_the_service_writes_each_row_s_routing_across_a_weight_update_that_abort
     client.put(name, rows, {cols.PROMPT_IDS: prompts})
     config = InferenceServiceConfig(
         table=name,
-        max_new_tokens=40,
+        sampling=SamplingParams(40, seed=2),
         context_length=64,
-        seed=2,
         weights_stream=stream,
         poll_s=0.05,
         update_mode="abort",
@@ -168,7 +167,9 @@ def test_the_service_writes_each_row_s_routing_across_a_weight_update_that_abort
 def test_a_table_that_expects_routing_refuses_an_engine_that_records_none(client, unique):
     name = replay_table(client, unique)
     engine = TorchEngine((DENSE.hf_config("float32"), sharp_weights(0)), max_running=2, max_len=32)
-    config = InferenceServiceConfig(table=name, max_new_tokens=2, context_length=32, weights_stream=unique("w"))
+    config = InferenceServiceConfig(
+        table=name, sampling=SamplingParams(2), context_length=32, weights_stream=unique("w")
+    )
 
     async def serve():
         try:

@@ -14,6 +14,7 @@ from meshy.dataplane import SchemaError
 from meshy.dataplane import columns as cols
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import Published, resync_stream
+from meshy.infer.engine import SamplingParams
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
 from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
 from meshy.infer.teacher_service import TeacherService, TeacherServiceConfig
@@ -56,7 +57,10 @@ def test_inference_writes_responses_and_reports_bad_rows_without_stopping(client
     ]
     client.put(name, list(range(len(prompts))), {cols.PROMPT_IDS: prompts})
     config = InferenceServiceConfig(
-        table=name, max_new_tokens=8, context_length=128, temperature=1.0, seed=3, weights_stream=unique("weights")
+        table=name,
+        sampling=SamplingParams(8, temperature=1.0, seed=3),
+        context_length=128,
+        weights_stream=unique("weights"),
     )
 
     stats = asyncio.run(serve(client, config, len(prompts)))
@@ -98,7 +102,10 @@ def test_rows_of_a_table_with_a_max_new_tokens_column_are_each_cut_at_their_own_
         },
     )
     config = InferenceServiceConfig(
-        table=name, max_new_tokens=4, context_length=128, temperature=1.0, seed=3, weights_stream=unique("weights")
+        table=name,
+        sampling=SamplingParams(4, temperature=1.0, seed=3),
+        context_length=128,
+        weights_stream=unique("weights"),
     )
 
     assert asyncio.run(serve(client, config, len(budgets))).errors == 1
@@ -120,9 +127,8 @@ def test_a_new_version_mid_generation_is_loaded_and_every_token_keeps_its_versio
     stream = unique("weights")
     config = InferenceServiceConfig(
         table=name,
-        max_new_tokens=120,
+        sampling=SamplingParams(120, temperature=0.0),
         context_length=128,
-        temperature=0.0,
         weights_stream=stream,
         poll_s=0.05,
         update_mode=update_mode,
@@ -173,7 +179,9 @@ def test_prompts_written_after_a_version_was_announced_are_generated_by_that_ver
     name, stream = table(client, unique), unique("weights")
     model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig(), device="cpu")
     publisher = DirectoryPublisher(tmp_path, ARCH, dtype="float32", keep=16)
-    config = InferenceServiceConfig(table=name, max_new_tokens=2, context_length=64, weights_stream=stream, seed=1)
+    config = InferenceServiceConfig(
+        table=name, sampling=SamplingParams(2, seed=1), context_length=64, weights_stream=stream
+    )
     versions, per_version = range(2, 12), 4
     e = engine(version=1)
     service = InferenceService(client, e, config)
@@ -212,7 +220,9 @@ def test_an_engine_that_cannot_rebuild_a_broadcast_delta_asks_for_a_whole_versio
     publisher = CollectivePublisher(
         groups["publisher"], ARCH, client, dtype="float32", stream=stream, delta=True, full_every=100
     )
-    config = InferenceServiceConfig(table=name, max_new_tokens=2, context_length=64, weights_stream=stream, seed=1)
+    config = InferenceServiceConfig(
+        table=name, sampling=SamplingParams(2, seed=1), context_length=64, weights_stream=stream
+    )
     e = engine(version=0)
     service = InferenceService(client, e, config, weight_sync=engine_group)
     resync = client.reader(resync_stream(stream), "test", start=1)
@@ -253,7 +263,9 @@ def test_in_waves_the_same_rows_generate_the_same_tokens_and_logprobs_bit_for_bi
     prompts = [
         torch.randint(3, ARCH.vocab_size, (int(n),), generator=g) for n in torch.randint(2, 12, (40,), generator=g)
     ]
-    config = dict(max_in_flight=16, max_new_tokens=12, context_length=128, temperature=1.0, seed=5, waves=True)
+    config = dict(
+        max_in_flight=16, sampling=SamplingParams(12, temperature=1.0, seed=5), context_length=128, waves=True
+    )
 
     def generate() -> dict[int, tuple[list[int], list[float]]]:
         name = table(client, unique)
@@ -386,3 +398,12 @@ def test_a_scorer_leasing_in_bursts_scores_rows_arriving_apart_in_one_turn_and_t
 def test_a_scorer_s_bad_bursts_are_refused_naming_the_field(fields, error):
     with pytest.raises(SchemaError, match=re.escape(error)):
         ReferenceServiceConfig(**fields)
+
+
+def test_each_row_is_sampled_with_the_service_settings_its_own_budget_and_a_seed_of_its_own():
+    settings = SamplingParams(8, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop_token_ids=(2,))
+    config = InferenceServiceConfig(sampling=settings)
+    row = config.row_sampling(11, 4)
+    assert row == SamplingParams(4, 0.7, 0.9, 5, seed=(3 * 1_000_003 + 11) % (1 << 63), stop_token_ids=(2,))
+    assert config.row_sampling(12, 4).seed != row.seed
+    assert InferenceServiceConfig().row_sampling(11, 4).seed is None, "an unseeded service samples rows unseeded"

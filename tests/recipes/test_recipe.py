@@ -375,3 +375,15 @@ def test_the_sections_are_data_and_the_whole_run_is_checked_by_the_loader(tmp_pa
     check_recipe(load_recipe())
     with pytest.raises(SchemaError, match=re.escape("overrides: unknown architecture fields ['x']")):
         ModelSpec(overrides={"x": 1})  # a field of its own, checked against another (name)
+
+
+def test_the_sampling_section_hands_the_engines_their_settings_and_their_checks_name_a_bad_value(tmp_path):
+    from meshy.infer.engine import SamplingParams
+    from meshy.recipes.recipe import SamplingSpec
+
+    spec = SamplingSpec(max_new_tokens=7, temperature=0.5, top_p=0.8, top_k=3)
+    assert spec.params(seed=9) == SamplingParams(7, 0.5, 0.8, 3, seed=9)
+    with pytest.raises(SchemaError, match=re.escape("recipe.sampling: SamplingParams.top_p: expected in (0, 1]")):
+        recipe_from(tmp_path, DEFAULT.replace("max_in_flight = 256", "max_in_flight = 256\ntop_p = 2.0"))
+    with pytest.raises(SchemaError, match=re.escape("recipe.eval: SamplingParams.max_new_tokens: expected >= 0")):
+        recipe_from(tmp_path, DEFAULT + "\n[eval]\nmax_new_tokens = -1\n")

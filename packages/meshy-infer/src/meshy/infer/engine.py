@@ -24,9 +24,10 @@ FINISH_ABORT = "abort"  # aborted: the output so far is returned
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_new_tokens: output budget. temperature 0 is greedy. top_k 0 and top_p 1 disable truncation.
-    seed: same seed, same prompt, same weights -> same tokens. stop_token_ids end a generation (EOS is
-    the engine's own and always stops)."""
+    """How a response is generated: the one declaration of the sampling settings, checked here, which the
+    services and the recipe pass on. max_new_tokens: output budget. temperature 0 is greedy. top_k 0 and
+    top_p 1 disable truncation. seed: same seed, same prompt, same weights -> same tokens. stop_token_ids
+    end a generation (EOS is the engine's own and always stops)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -41,7 +42,7 @@ class SamplingParams:
             raise SchemaError(f"SamplingParams.max_new_tokens: expected >= 0, got {self.max_new_tokens}")
         if not 0 <= self.temperature < math.inf:
             raise SchemaError(
-                f"SamplingParams.temperature: expected a finite value >= 0 (0 is greedy), got {self.temperature}"
+                f"SamplingParams.temperature: expected a finite value >= 0 (0: greedy), got {self.temperature}"
             )
         if not 0 < self.top_p <= 1:
             raise SchemaError(f"SamplingParams.top_p: expected in (0, 1], got {self.top_p}")

@@ -47,24 +47,21 @@ ERROR_REASONS = 20  # distinct error texts the stats count apart (rows' errors m
 
 @dataclass(frozen=True)
 class InferenceServiceConfig:
-    """context_length: prompt + response budget of the engine; a longer prompt is an error row, and
-    max_new_tokens shrinks to fit. seed: per-row seeds derived from it (None: unseeded sampling).
-    update_mode: how a new weights version meets requests in flight. "in_place": they keep their cache
-    and go on under the new weights from the next token (cheap; what an engine that updates between
-    decode steps allows). "abort": they are aborted and continue from their prefix, recomputed under the
-    new weights (an exact version boundary; what engines without in-place updates need). waves: start
-    requests in waves (see the module's doc), for replayable lock-step runs."""
+    """sampling: how every row is generated; its max_new_tokens is a row's budget (a table's per-row
+    budget may cut it), its seed the one each row's seed is derived from (None: unseeded sampling).
+    context_length: prompt + response budget of the engine; a longer prompt is an error row, and
+    max_new_tokens shrinks to fit. update_mode: how a new weights version meets requests in flight.
+    "in_place": they keep their cache and go on under the new weights from the next token (cheap; what
+    an engine that updates between decode steps allows). "abort": they are aborted and continue from
+    their prefix, recomputed under the new weights (an exact version boundary; what engines without
+    in-place updates need). waves: start requests in waves (see the module's doc), for replayable
+    lock-step runs."""
 
     table: str = "rollout"
     task: str = cols.GENERATE_TASK.name
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=256))
     max_in_flight: int = 32
-    max_new_tokens: int = 256
     context_length: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
     update_mode: Literal["in_place", "abort"] = "in_place"
     waves: bool = False
     lease_s: float = 600.0
@@ -73,20 +70,14 @@ class InferenceServiceConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.max_in_flight < 1 or self.max_new_tokens < 1 or self.context_length < 2:
-            raise SchemaError(
-                f"InferenceServiceConfig: max_in_flight, max_new_tokens >= 1, context_length >= 2: {self}"
-            )
+        if self.max_in_flight < 1 or self.context_length < 2:
+            raise SchemaError(f"InferenceServiceConfig: max_in_flight >= 1, context_length >= 2: {self}")
 
-    def sampling(self, row_id: int, max_new_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=None if self.seed is None else (self.seed * 1_000_003 + row_id) % (1 << 63),
-            stop_token_ids=self.stop_token_ids,
-        )
+    def row_sampling(self, row_id: int, max_new_tokens: int) -> SamplingParams:
+        """`sampling` for one row: its budget, and its own seed."""
+        seed = self.sampling.seed
+        row_seed = None if seed is None else (seed * 1_000_003 + row_id) % (1 << 63)
+        return replace(self.sampling, max_new_tokens=max_new_tokens, seed=row_seed)
 
 
 @dataclass
@@ -201,7 +192,7 @@ class InferenceService:
     def _start(self, batch: Batch) -> None:
         budgets = batch.columns.get(cols.MAX_NEW_TOKENS)
         for i, row_id in enumerate(batch.row_ids):
-            budget = self.config.max_new_tokens if budgets is None else int(budgets[i])
+            budget = self.config.sampling.max_new_tokens if budgets is None else int(budgets[i])
             task = asyncio.create_task(self._serve(batch, row_id, batch.columns[cols.PROMPT_IDS][i], budget))
             self._in_flight[row_id] = task
             task.add_done_callback(lambda _, row=row_id: self._finish(row))
@@ -267,13 +258,13 @@ class InferenceService:
             raise SchemaError(f"prompt of {len(prompt)} tokens does not fit the context of {cfg.context_length}")
         if max_new_tokens < 1:
             raise SchemaError(f"max_new_tokens of the row: expected >= 1, got {max_new_tokens}")
-        budget = min(cfg.max_new_tokens, max_new_tokens, cfg.context_length - len(prompt))
+        budget = min(cfg.sampling.max_new_tokens, max_new_tokens, cfg.context_length - len(prompt))
         output, logprobs, versions, routing, attempt = [], [], [], [], 0
         try:
             while True:
                 await self._updating.wait()
                 request_id = self._requests[row_id] = f"{cfg.table}/{row_id}/{attempt}"
-                params = cfg.sampling(row_id, budget - len(output))
+                params = cfg.row_sampling(row_id, budget - len(output))
                 if attempt and params.seed is not None:
                     params = replace(params, seed=params.seed + attempt)
                 result = await self.engine.generate(request_id, prompt + output, params)

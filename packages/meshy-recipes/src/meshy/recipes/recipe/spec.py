@@ -416,7 +416,12 @@ class SamplingSpec:
             raise SchemaError(f"max_new_tokens, max_in_flight >= 1 and context_length > max_new_tokens: {self}")
         if self.compile and self.engine != "torch":
             raise SchemaError(f'sampling.compile: applies to the torch engine, and sampling.engine is "{self.engine}"')
-        SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.top_k)  # the engines' own checks
+        self.params()  # the engines' own checks
+
+    def params(self, seed: int | None = None) -> SamplingParams:
+        """The engines' sampling settings for these responses (seed: the one a service derives each row's
+        from; None: unseeded)."""
+        return SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.top_k, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -447,13 +452,9 @@ class EvalSpec:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.every < 1 or self.count < 1 or self.samples < 1 or self.max_new_tokens < 0:
-            raise SchemaError(
-                f"every, count, samples: expected >= 1, max_new_tokens >= 0 (0: sampling's), got {self.every}, "
-                f"{self.count}, {self.samples}, {self.max_new_tokens}"
-            )
-        if not 0 <= self.temperature < math.inf:
-            raise SchemaError(f"temperature: expected a finite value >= 0 (0: greedy), got {self.temperature}")
+        if self.every < 1 or self.count < 1 or self.samples < 1:
+            raise SchemaError(f"every, count, samples: expected >= 1, got {self.every}, {self.count}, {self.samples}")
+        SamplingParams(self.max_new_tokens, self.temperature)  # the engines' own checks
         if self.samples > 1 and self.temperature == 0:
             raise SchemaError(
                 f"samples: {self.samples} answers per problem need temperature > 0 (greedy answers are all the same)"

@@ -105,13 +105,9 @@ class InferenceRole:
         multi_turn = ctx.recipe.multi_turn
         config = InferenceServiceConfig(
             table=TURNS if multi_turn else ctx.table,
+            sampling=sampling.params(seed=ctx.recipe.seed * 1000 + ctx.slot.index),
             max_in_flight=sampling.max_in_flight,
-            max_new_tokens=sampling.max_new_tokens,
             context_length=sampling.context_length,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=ctx.recipe.seed * 1000 + ctx.slot.index,
             # Lock-step with the pure-torch engine replays token for token when batches do not hang on timing.
             # (Turns of multi-turn trajectories arrive as tools answer: waves would make each wait for the others.)
             waves=ctx.recipe.algorithm.window == 1 and sampling.engine == "torch" and not multi_turn,
