@@ -11,17 +11,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from meshy.dataplane import HOST, Batch, Bursts, DataPlaneClient, SchemaError
 from meshy.dataplane import columns as cols
 from meshy.dataplane.bursts import check_burst_fields
 from meshy.dataplane.fields import check_fields
+from meshy.train.collectives import reduce_over_ranks
 from meshy.train.logprobs import pack_rows
 from meshy.train.losses import aggregate, clipped_value_loss
 from meshy.train.parallel import shard_beside
-from meshy.train.trainer import adamw, finite_step, reduce_over_ranks
+from meshy.train.trainer import adamw, finite_step
 from meshy.train.training_config import OptimConfig
 
 
@@ -111,10 +111,7 @@ class CriticServiceConfig:
 
 def _all_have(flag: bool) -> int:
     """How many ranks have work (every rank must join every FSDP forward)."""
-    t = torch.tensor([float(flag)], device=HOST)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return int(t.item())
+    return int(reduce_over_ranks(torch.tensor([float(flag)], device=HOST)).item())
 
 
 class CriticService:

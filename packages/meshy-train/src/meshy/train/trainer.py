@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from meshy.dataplane import SchemaError
+from meshy.train.collectives import reduce_over_ranks
 from meshy.train.logprobs import full_log_probs, picked_logprobs, response_logits, spread
 from meshy.train.losses import (
     aggregate,
@@ -52,13 +53,6 @@ class PolicyBatch:
     routed_experts: torch.Tensor | None = None
     # The rows packed by shared prompt for the forward (meshy.train.shared_prompts); None: row by row.
     packed: SharedPrompts | None = None
-
-
-def reduce_over_ranks(value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce in place over the default process group (a no-op in a single process); returns it."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=op)
-    return value
 
 
 def adamw(model: torch.nn.Module, optim: OptimConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:

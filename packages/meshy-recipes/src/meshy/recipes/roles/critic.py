@@ -17,9 +17,9 @@ from meshy.recipes.roles.colocation import BUILD, DeviceTurns, record_released, 
 from meshy.recipes.roles.context import RecordKind, RoleContext
 from meshy.recipes.weights.pretrained import load_init
 from meshy.train import checkpoint, offload
+from meshy.train.collectives import reduce_over_ranks
 from meshy.train.critic_service import CriticService, CriticServiceConfig, CriticTrainer, ValueModel
 from meshy.train.parallel import build_model
-from meshy.train.trainer import reduce_over_ranks
 
 CHECKPOINTS = "critic_checkpoints"  # under the run directory, next to the policy's "checkpoints"
 ROWS_PER_FORWARD = 256  # the most rows a critic process values in one forward
