@@ -266,15 +266,106 @@ def _routed_experts(meta: Mapping, count: int, layers: int, top_k: int) -> torch
     return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(count, layers, top_k).to(EXPERT_ID_DTYPE)
 
 
+def _check_settings(
+    device: str,
+    max_len: int,
+    max_running: int | None,
+    deterministic: bool,
+    colocate: bool,
+    weight_sync_rank: int | None,
+    server_args: Mapping[str, Any],
+) -> None:
+    """SGLangEngine's settings that are refused before any weights are read."""
+    if max_len < 2:
+        raise SchemaError(f"SGLangEngine max_len: expected >= 2 tokens, got {max_len}")
+    if max_running is not None and max_running < 1:
+        raise SchemaError(f"SGLangEngine max_running: expected >= 1, got {max_running}")
+    if clash := sorted(server_args.keys() & _SET_BY.keys()):
+        name = clash[0]
+        raise SchemaError(f"SGLangEngine {name}: set by SGLangEngine (through {_SET_BY[name]}), not passed on")
+    if device == "cpu" and (deterministic or colocate):
+        raise SchemaError(
+            "SGLangEngine on CPU: deterministic=True needs a GPU attention backend and SGLang's Triton "
+            "sampler; colocate=True needs SGLang's CUDA memory saver"
+        )
+    if weight_sync_rank is not None and weight_sync_rank < 1:
+        raise SchemaError(f"SGLangEngine weight_sync_rank: expected >= 1 (0 is the publisher), got {weight_sync_rank}")
+    if weight_sync_rank is not None:
+        check_loaded()
+
+
+@dataclass
+class _FirstWeights:
+    """What an engine starts from: the model (config.json, tensor shapes), its weights version, and its
+    weights: a directory SGLang loads, or (directory None) tensors in memory or a broadcast version that
+    SGLangEngine loads once SGLang runs."""
+
+    config: dict
+    shapes: dict[str, tuple[int, ...]]
+    version: int
+    directory: Path | None = None
+    tensors: Mapping[str, torch.Tensor] | None = None
+    broadcast: Published | None = None
+
+    @classmethod
+    def of(cls, source: ModelSource, version: int | None, weight_sync_rank: int | None) -> "_FirstWeights":
+        """`source` read (a version on disk checked against its checksum); version: by default a
+        Published's own, else 0."""
+        if isinstance(source, Published):
+            return cls._of_published(source, source.version if version is None else version, weight_sync_rank)
+        version = 0 if version is None else version
+        if isinstance(source, tuple):
+            config, tensors = read_model(source)
+            return cls(config, {name: tuple(t.shape) for name, t in tensors.items()}, version, tensors=tensors)
+        directory = HFDirectory.open(source)
+        return cls(directory.config(), directory.shapes(), version, directory=directory.path)
+
+    @classmethod
+    def _of_published(cls, source: Published, version: int, weight_sync_rank: int | None) -> "_FirstWeights":
+        if source.transport is Transport.COLLECTIVE:
+            if weight_sync_rank is None:
+                raise SchemaError(
+                    f"SGLangEngine source: v{source.version} is broadcast on the weight-sync group; an engine "
+                    "that receives it needs its place in the group (weight_sync_rank)"
+                )
+            meta = json.loads(source.location)
+            if "delta" in meta:
+                raise SchemaError(
+                    f"SGLangEngine source: v{source.version} is a delta; an engine starts from a whole one"
+                )
+            return cls(meta["config"], BucketLayout.of(meta).shapes, version, broadcast=source)
+        if source.transport is not Transport.DISK:
+            raise SchemaError(
+                f"SGLangEngine source: a {source.transport} version cannot start an engine; start from a "
+                f"{Transport.DISK} version, a directory or (config, tensors), then update_weights"
+            )
+        directory, config, shapes = verify_published(source)
+        return cls(config, shapes, version, directory=directory.path)
+
+    @contextlib.contextmanager
+    def model_path(self) -> Iterator[Path]:
+        """The directory SGLang starts from: the weights' own, or a temporary one holding config.json alone."""
+        if self.directory is not None:
+            yield self.directory
+            return
+        path = Path(tempfile.mkdtemp(prefix="meshy-sglang-start-"))
+        try:
+            (path / "config.json").write_text(json.dumps(self.config))
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class SGLangEngine(Engine):
     """An Engine on an in-process sglang.Engine (see the module docstring for what it can and cannot do).
 
-    source: a Published version on disk (its checksum is verified first) or an HF checkpoint
-    directory; `version` is its weights version (by default a Published's own, else 0). `max_len` is the
-    context length (prompt + output), `max_running` the most requests decoded at once (by default
-    SGLang's choice from memory). `pause_mode`: "retract" or "abort" (see the module docstring).
-    `deterministic`: honour seeds (SGLang's deterministic inference; GPU only). `colocate`: enable
-    `release`/`onload` on a GPU (SGLang's memory saver; weights backed up in host memory).
+    source: a Published version on disk (its checksum is verified first) or broadcast (with
+    weight_sync_rank), an HF checkpoint directory or (config, tensors); `version` is its weights version
+    (by default a Published's own, else 0). `max_len` is the context length (prompt + output),
+    `max_running` the most requests decoded at once (by default SGLang's choice from memory).
+    `pause_mode`: "retract" or "abort" (see the module docstring). `deterministic`: honour seeds
+    (SGLang's deterministic inference; GPU only). `colocate`: enable `release`/`onload` on a GPU
+    (SGLang's memory saver; weights backed up in host memory).
     `bucket_bytes`: the most bytes of in-memory weights sent to SGLang in one flattened bucket.
     `stream_interval`: how many tokens SGLang produces between two reports of a request's output.
     `record_routing`: every Generation carries the experts a mixture's layers chose for each output token
@@ -307,74 +398,20 @@ class SGLangEngine(Engine):
         weight_sync_rank: int | None = None,
         **server_args: Any,
     ):
-        if max_len < 2:
-            raise SchemaError(f"SGLangEngine max_len: expected >= 2 tokens, got {max_len}")
-        if max_running is not None and max_running < 1:
-            raise SchemaError(f"SGLangEngine max_running: expected >= 1, got {max_running}")
-        if clash := sorted(server_args.keys() & _SET_BY.keys()):
-            name = clash[0]
-            raise SchemaError(f"SGLangEngine {name}: set by SGLangEngine (through {_SET_BY[name]}), not passed on")
-        if device == "cpu" and (deterministic or colocate):
-            raise SchemaError(
-                "SGLangEngine on CPU: deterministic=True needs a GPU attention backend and SGLang's Triton "
-                "sampler; colocate=True needs SGLang's CUDA memory saver"
-            )
-        if weight_sync_rank is not None and weight_sync_rank < 1:
-            raise SchemaError(
-                f"SGLangEngine weight_sync_rank: expected >= 1 (0 is the publisher), got {weight_sync_rank}"
-            )
-        if weight_sync_rank is not None:
-            check_loaded()
-        self._weight_sync_rank = weight_sync_rank
-        self._weight_sync_group: str | None = None  # SGLang's name of the group, once joined
-        in_memory = None  # (config, tensors) to load once SGLang runs
-        broadcast = None  # the announced version to receive once SGLang runs
-        if isinstance(source, Published) and source.transport is Transport.COLLECTIVE:
-            if weight_sync_rank is None:
-                raise SchemaError(
-                    f"SGLangEngine source: v{source.version} is broadcast on the weight-sync group; an engine "
-                    "that receives it needs its place in the group (weight_sync_rank)"
-                )
-            meta = json.loads(source.location)
-            if "delta" in meta:
-                raise SchemaError(
-                    f"SGLangEngine source: v{source.version} is a delta; an engine starts from a whole one"
-                )
-            self.config, self._shapes = meta["config"], BucketLayout.of(meta).shapes
-            broadcast = source
-            version = source.version if version is None else version
-        elif isinstance(source, Published):
-            if source.transport is not Transport.DISK:
-                raise SchemaError(
-                    f"SGLangEngine source: a {source.transport} version cannot start an engine; start from a "
-                    f"{Transport.DISK} version, a directory or (config, tensors), then update_weights"
-                )
-            directory, self.config, self._shapes = verify_published(source)
-            model_path = directory.path
-            version = source.version if version is None else version
-        elif isinstance(source, tuple):
-            self.config, tensors = read_model(source)
-            self._shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-            in_memory = tensors
-            version = 0 if version is None else version
-        else:
-            directory = HFDirectory.open(source)
-            self.config, self._shapes = directory.config(), directory.shapes()
-            model_path = directory.path
-            version = 0 if version is None else version
-        starts_empty = in_memory is not None or broadcast is not None
-        if starts_empty:
-            model_path = Path(tempfile.mkdtemp(prefix="meshy-sglang-start-"))
-            (model_path / "config.json").write_text(json.dumps(self.config))
-        self.vocab_size = int(self.config["vocab_size"])
-        if record_routing and not self.config.get("num_experts"):
+        _check_settings(device, max_len, max_running, deterministic, colocate, weight_sync_rank, server_args)
+        first = _FirstWeights.of(source, version, weight_sync_rank)
+        if record_routing and not first.config.get("num_experts"):
             raise SchemaError(
                 "SGLangEngine record_routing: the model is dense (config.json has no num_experts); routing "
                 "is recorded for a mixture of experts"
             )
+        self.config, self._shapes = first.config, first.shapes
+        self.vocab_size = int(self.config["vocab_size"])
+        self._weight_sync_rank = weight_sync_rank
+        self._weight_sync_group: str | None = None  # SGLang's name of the group, once joined
         self._record_routing = record_routing
         self.max_len = max_len
-        self._version = version
+        self._version = first.version
         self._on_gpu = device != "cpu"
         self._colocate = colocate
         self.pause_mode = pause_mode
@@ -382,26 +419,54 @@ class SGLangEngine(Engine):
         self.bucket_bytes = bucket_bytes
         self._stream_interval = stream_interval
         self._seed_warned = False
+        self._sglang = self._start_sglang(first, device, dtype, max_running, seed, server_args)
+        self._tokenizer_manager = self._sglang.tokenizer_manager
+        self._stop_at_exit()
+        self._start_loop()
+        self._load_first(first)
 
+    def _start_sglang(
+        self,
+        first: _FirstWeights,
+        device: str,
+        dtype: str,
+        max_running: int | None,
+        seed: int,
+        server_args: Mapping[str, Any],
+    ) -> Any:
+        """sglang.Engine on `first`'s directory, or on config.json alone with dummy weights (_load_first
+        loads them)."""
         sglang = _import_sglang(device)
         model_context = _context_length(self.config)
-        if max_len > model_context:
+        if self.max_len > model_context:
             raise SchemaError(
                 f"SGLangEngine max_len: expected at most the model's context length ({model_context}, from its "
-                f"config.json), got {max_len}"
+                f"config.json), got {self.max_len}"
             )
+        args = {**self._server_args(device, dtype, max_running, seed, first.directory is None), **server_args}
+        # The slack goes past the model's own context when max_len reaches it; SGLang then refuses to
+        # start unless told to, and no position past max_len is ever used.
+        beyond = args["context_length"] > model_context
+        allowed = _environment(SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1") if beyond else contextlib.nullcontext()
+        with first.model_path() as model_path, allowed:
+            return sglang.Engine(model_path=str(model_path), **args)
+
+    def _server_args(
+        self, device: str, dtype: str, max_running: int | None, seed: int, starts_empty: bool
+    ) -> dict[str, Any]:
+        """The sglang.Engine arguments this class sets (_SET_BY, but for model_path), and its own defaults
+        for a few others."""
         args = {
-            "model_path": str(model_path),
             "device": device,
             "dtype": dtype,
-            "context_length": max_len + _CONTEXT_SLACK,
+            "context_length": self.max_len + _CONTEXT_SLACK,
             "random_seed": seed,
             "skip_tokenizer_init": True,
-            "weight_version": str(version),
-            "enable_deterministic_inference": deterministic,
-            "enable_memory_saver": colocate,
-            "enable_weights_cpu_backup": colocate,
-            "enable_return_routed_experts": record_routing,
+            "weight_version": str(self._version),
+            "enable_deterministic_inference": self._deterministic,
+            "enable_memory_saver": self._colocate,
+            "enable_weights_cpu_backup": self._colocate,
+            "enable_return_routed_experts": self._record_routing,
             "log_level": "error",
         }
         if max_running is not None:
@@ -409,23 +474,20 @@ class SGLangEngine(Engine):
         if device == "cpu":
             args["attention_backend"] = "torch_native"
             if max_running is not None:  # else SGLang sizes the cache from free host memory: most of it
-                args["max_total_tokens"] = max_running * (max_len + _CONTEXT_SLACK)
-        if starts_empty:  # SGLang starts from config.json alone, its weights filled below
+                args["max_total_tokens"] = max_running * (self.max_len + _CONTEXT_SLACK)
+        if starts_empty:  # SGLang starts from config.json alone, its weights filled by _load_first
             args["load_format"] = "dummy"
-        try:
-            # The slack goes past the model's own context when max_len reaches it; SGLang then refuses to
-            # start unless told to, and no position past max_len is ever used.
-            beyond = max_len + _CONTEXT_SLACK > model_context
-            with _environment(SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1") if beyond else contextlib.nullcontext():
-                self._sglang = sglang.Engine(**{**args, **server_args})
-        finally:
-            if starts_empty:
-                shutil.rmtree(model_path, ignore_errors=True)
-        # SGLang's own shutdown kills every child of this process, not only its own: ours kills its own.
+        return args
+
+    def _stop_at_exit(self) -> None:
+        """SGLang's own shutdown at exit kills every child of this process, not only its own: ours kills its
+        own."""
         atexit.unregister(self._sglang.shutdown)
         atexit.register(self._stop_sglang_processes)
-        self._tokenizer_manager = self._sglang.tokenizer_manager
 
+    def _start_loop(self) -> None:
+        """The loop every call into SGLang runs on, with SGLang's receive loop, and what it keeps of requests
+        and holds."""
         self._loop = _LoopThread("meshy-sglang")
         self._requests: dict[str, _Request] = {}  # request_id -> its running `generate`
         self._in_flight: set[asyncio.Task] = set()  # generate and score calls, on the loop
@@ -439,12 +501,16 @@ class SGLangEngine(Engine):
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         asyncio.run_coroutine_threadsafe(self._start_receiving(), self._loop.loop).result()
-        if in_memory is not None:
-            loading = self._update_from_tensors_on_loop(version, in_memory)
-            asyncio.run_coroutine_threadsafe(loading, self._loop.loop).result()
-        if broadcast is not None:
-            receiving = self._update_from_broadcast_on_loop(version, broadcast)
-            asyncio.run_coroutine_threadsafe(receiving, self._loop.loop).result()
+
+    def _load_first(self, first: _FirstWeights) -> None:
+        """The first weights, when SGLang started without them: tensors in memory, or a broadcast version."""
+        if first.tensors is not None:
+            loading = self._update_from_tensors_on_loop(first.version, first.tensors)
+        elif first.broadcast is not None:
+            loading = self._update_from_broadcast_on_loop(first.version, first.broadcast)
+        else:
+            return
+        asyncio.run_coroutine_threadsafe(loading, self._loop.loop).result()
 
     @property
     def weight_version(self) -> int:
