@@ -1,4 +1,6 @@
 import contextlib
+import dataclasses
+import itertools
 import json
 import os
 import re
@@ -20,7 +22,7 @@ from meshy.train.logprobs import pack_rows
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher
-from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
+from meshy.train.service import OPTIONAL_COLUMNS, MetricsLog, TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
 from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
 from tests.train.rows import put_groups
@@ -559,3 +561,28 @@ def test_closing_the_service_ends_a_prefetch_waiting_for_rows_that_will_not_come
     closer.start()
     closer.join(10)
     assert not closer.is_alive() and time.monotonic() - start < 5
+
+
+def test_the_service_leases_what_the_dataflow_says_training_reads():
+    """The service's table of optional columns and the dataplane's train_with (which the recipes' dataflow
+    checks) name the same columns in the same order, for every combination of options."""
+    for reward, distill, reference, routing, policy in itertools.product([False, True], repeat=5):
+        config = TrainServiceConfig(
+            report_reward=reward,
+            distill=distill,
+            kl_to_reference=reference,
+            routing_replay=routing,
+            policy_mask=policy,
+        )
+        task = cols.train_with(
+            reward=reward, teacher=distill, reference=reference, routed_experts=routing, policy_mask=policy
+        )
+        assert config.columns == list(task.reads)
+
+
+def test_every_optional_column_names_a_config_flag_and_a_policy_batch_field():
+    flags = {f.name for f in dataclasses.fields(TrainServiceConfig) if f.type is bool}
+    batch_fields = {f.name for f in dataclasses.fields(PolicyBatch)}
+    for column in OPTIONAL_COLUMNS:
+        assert column.flag in flags, column
+        assert column.batch_field is None or column.batch_field in batch_fields, column

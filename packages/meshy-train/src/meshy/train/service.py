@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,39 @@ from meshy.dataplane import columns as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weights import Published
 from meshy.train import checkpoint
+from meshy.train.collectives import reduce_over_ranks
 from meshy.train.logprobs import pack_rows, response_positions
 from meshy.train.routing_replay import FREE, routing_shape
 from meshy.train.shared_prompts import pack_shared_prompts
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class OptionalColumn:
+    """A per-token column the service leases only when the TrainServiceConfig field `flag` is on.
+    batch_field: the PolicyBatch field the trainer takes it in, padded with `pad` (in `dtype`) outside the
+    responses; None: the service itself reads it, row by row."""
+
+    name: str
+    flag: str
+    batch_field: str | None
+    dtype: torch.dtype = torch.float32
+    pad: int = 0
+
+
+OPTIONAL_COLUMNS = (  # in the order rows are checked by
+    # distillation: the teacher's top-k, the target of the loss's distill_kl term
+    OptionalColumn(cols.TEACHER_TOPK_IDS, "distill", "teacher_topk_ids", torch.int64),
+    OptionalColumn(cols.TEACHER_TOPK_LOGPROBS, "distill", "teacher_topk_logprobs"),
+    # the reference policy's logprobs, for the loss's kl term
+    OptionalColumn(cols.REF_LOGPROBS, "kl_to_reference", "ref_logprobs"),
+    # the engine's routing, replayed in every forward; positions outside the responses route freely
+    OptionalColumn(cols.ROUTED_EXPERTS, "routing_replay", "routed_experts", torch.int64, FREE),
+    # multi-turn: only the policy's tokens are trained (the service narrows each row's kept tokens)
+    OptionalColumn(cols.POLICY_MASK, "policy_mask", None),
+)
 
 
 class Publisher(Protocol):
@@ -97,15 +126,15 @@ class TrainServiceConfig:
             raise SchemaError(f"TrainServiceConfig.max_staleness: expected None or >= 0, got {self.max_staleness}")
 
     @property
+    def optional_columns(self) -> list[OptionalColumn]:
+        """The optional per-token columns this configuration turns on."""
+        return [column for column in OPTIONAL_COLUMNS if getattr(self, column.flag)]
+
+    @property
     def columns(self) -> list[str]:
-        task = cols.train_with(
-            reward=self.report_reward,
-            teacher=self.distill,
-            reference=self.kl_to_reference,
-            routed_experts=self.routing_replay,
-            policy_mask=self.policy_mask,
-        )
-        return list(task.reads)
+        """What the service leases: the train task's columns, the reward (reported) and the optional ones."""
+        optional = tuple(column.name for column in self.optional_columns)
+        return list(cols.TRAIN_TASK.reads + (cols.REWARD,) * self.report_reward + optional)
 
 
 class MetricsLog:
@@ -136,10 +165,40 @@ def _staleness_bins(staleness: Counter) -> dict[str, int]:
 def _sum_over_ranks(counts: dict[str, float]) -> dict[str, float]:
     """Each named count summed over the ranks, in one all-reduce (every rank names the same counts in the
     same order)."""
-    t = torch.tensor(list(counts.values()), dtype=torch.float64, device=HOST)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return dict(zip(counts, t.tolist(), strict=True))
+    summed = reduce_over_ranks(torch.tensor(list(counts.values()), dtype=torch.float64, device=HOST))
+    return dict(zip(counts, summed.tolist(), strict=True))
+
+
+def _of_every_rank(trained: list[int], dropped: list[dict]) -> tuple[list[int], list[dict]]:
+    """The trained row ids and dropped rows of every rank, rank by rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return trained, dropped
+    everyone: list[tuple[list[int], list[dict]]] = [([], []) for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, (trained, dropped))
+    all_trained = [r for rank_trained, _ in everyone for r in rank_trained]
+    return all_trained, [d for _, rank_dropped in everyone for d in rank_dropped]
+
+
+def _token_counts(minibatches: list[PolicyBatch]) -> dict[str, float]:
+    """This rank's trained tokens, and the response positions whose routing was the engine's (replayed)."""
+    return {
+        "tokens": sum(float(mb.mask.sum()) for mb in minibatches),
+        "replayed_tokens": sum(
+            float((mb.routed_experts[..., 0, 0] != FREE).sum()) for mb in minibatches if mb.routed_experts is not None
+        ),
+    }
+
+
+def _timed(work: Callable[[], T]) -> tuple[T, float]:
+    """What `work` returns, and the seconds it took."""
+    start = time.perf_counter()
+    return work(), time.perf_counter() - start
+
+
+def _step_means(steps: list[dict[str, float]], taken: dict[str, Any]) -> dict[str, float]:
+    """Each step metric's mean over the version's steps, but those `taken` names already (the version's
+    totals stay)."""
+    return {key: sum(s[key] for s in steps) / len(steps) for key in steps[0] if key not in taken} if steps else {}
 
 
 def _rows_not_finite(values: list[torch.Tensor], lengths: list[int]) -> list[bool]:
@@ -214,56 +273,86 @@ class TrainingService:
     def train_batch(self, batch: Batch | None, waited: float = 0.0) -> dict[str, Any]:
         """Train on a batch, ack it, publish version + 1. Returns this version's metrics (the same on every
         rank). A colocated trainer calls it holding the devices, after `wait_for_batch` returned."""
-        cfg = self.config
-        rows, dropped, staleness = self._rows(batch)
-        warming_up = self.version < cfg.critic_warmup_versions  # the same on every rank
-        if warming_up:
-            dropped += [{"row": row["row"], "reason": "critic warm-up"} for row in rows]
-            rows, staleness = [], Counter()  # the histogram counts trained tokens
-        minibatches = [] if warming_up else self._minibatches(rows)
-        if cfg.minibatches * cfg.epochs > 1:
-            for mb in minibatches:
-                mb.old_logprobs = self.trainer.logprobs(mb)
-        # Every row the version leased, trained or dropped: the policy's reward, whatever was trained on.
-        leased = batch.columns[cols.REWARD].tolist() if cfg.report_reward and batch is not None else []
-        rewards = [r for r in leased if math.isfinite(r)]
-        reward = _sum_over_ranks({"sum": sum(rewards), "count": len(rewards)}) if cfg.report_reward else {}
-        reward_mean = reward["sum"] / reward["count"] if reward.get("count") else None
+        rows, dropped, staleness = self._version_rows(batch)
+        minibatches = self._minibatches(rows)
+        self._hold_old_logprobs(minibatches)
+        reward_mean = self._reward_mean(batch)
         explore = reward_mean is not None and reward_mean < self.best_reward  # the same on every rank
-        train_start = time.perf_counter()
-        steps = [self.trainer.step(mb, explore) for _ in range(cfg.epochs) for mb in minibatches]
-        train_seconds = time.perf_counter() - train_start
+        steps, train_s = _timed(lambda: self._steps(minibatches, explore))
         if batch is not None:
             self.client.ack(batch)
-        publish_start = time.perf_counter()
-        self.version += 1
-        published = self.publisher.publish(self.trainer.model, self.version)
-        publish_seconds = time.perf_counter() - publish_start
+        published, publish_s = _timed(self._publish_next)
         if reward_mean is not None:
             self.best_reward = max(self.best_reward, reward_mean)
+        seconds = {"wait_s": waited, "train_s": train_s, "publish_s": publish_s}
+        record = self._record(rows, dropped, staleness, minibatches, steps, reward_mean, seconds, published)
+        self.metrics.write(record)
+        self._checkpoint()
+        return record
 
+    @property
+    def _warming_up(self) -> bool:
+        """Whether only the critic learns this version (the same on every rank)."""
+        return self.version < self.config.critic_warmup_versions
+
+    def _version_rows(self, batch: Batch | None) -> tuple[list[dict], list[dict], Counter]:
+        """The rows this version trains, those it drops and its staleness counts (`_rows`); while the critic
+        warms up, every row is dropped."""
+        rows, dropped, staleness = self._rows(batch)
+        if not self._warming_up:
+            return rows, dropped, staleness
+        warm_up = [{"row": row["row"], "reason": "critic warm-up"} for row in rows]
+        return [], dropped + warm_up, Counter()  # the histogram counts trained tokens
+
+    def _hold_old_logprobs(self, minibatches: list[PolicyBatch]) -> None:
+        """When the version takes several steps, each minibatch holds the logprobs the version started from:
+        every step is clipped against them."""
+        if self.config.minibatches * self.config.epochs > 1:
+            for mb in minibatches:
+                mb.old_logprobs = self.trainer.logprobs(mb)
+
+    def _reward_mean(self, batch: Batch | None) -> float | None:
+        """The mean reward over every rank's leased rows, trained or dropped: the policy's reward, whatever
+        was trained on (None: not reported, or no finite reward)."""
+        if not self.config.report_reward:
+            return None
+        leased = batch.columns[cols.REWARD].tolist() if batch is not None else []
+        rewards = [r for r in leased if math.isfinite(r)]
+        reward = _sum_over_ranks({"sum": sum(rewards), "count": len(rewards)})
+        return reward["sum"] / reward["count"] if reward["count"] else None
+
+    def _steps(self, minibatches: list[PolicyBatch], explore: bool) -> list[dict[str, float]]:
+        """Every epoch's optimizer steps, one per minibatch; their metrics."""
+        return [self.trainer.step(mb, explore) for _ in range(self.config.epochs) for mb in minibatches]
+
+    def _publish_next(self) -> Published | None:
+        """Publish the trained weights as the next version."""
+        self.version += 1
+        return self.publisher.publish(self.trainer.model, self.version)
+
+    def _record(
+        self,
+        rows: list[dict],
+        dropped: list[dict],
+        staleness: Counter,
+        minibatches: list[PolicyBatch],
+        steps: list[dict[str, float]],
+        reward_mean: float | None,
+        seconds: dict[str, float],
+        published: Published | None,
+    ) -> dict[str, Any]:
+        """The version's metrics line: its rows, tokens and staleness over every rank, its reward, timings
+        and weights, and the mean of each step metric."""
         bins = _staleness_bins(staleness)
         total = _sum_over_ranks(
             {
                 "rows_trained": len(rows),
                 "rows_dropped": len(dropped),
-                "tokens": sum(float(mb.mask.sum()) for mb in minibatches),
-                "replayed_tokens": sum(
-                    float((mb.routed_experts[..., 0, 0] != FREE).sum())
-                    for mb in minibatches
-                    if mb.routed_experts is not None
-                ),
+                **_token_counts(minibatches),
                 **{f"staleness {label}": n for label, n in bins.items()},
             }
         )
-        global_tokens = total["tokens"]
-        hist = {label: int(total[f"staleness {label}"]) for label in bins if total[f"staleness {label}"]}
-        trained = [row["row"] for row in rows]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone: list[tuple[list[int], list[dict]]] = [([], []) for _ in range(dist.get_world_size())]
-            dist.all_gather_object(everyone, (trained, dropped))
-            trained = [r for rank_trained, _ in everyone for r in rank_trained]
-            dropped = [d for _, rank_dropped in everyone for d in rank_dropped]
+        trained, dropped = _of_every_rank([row["row"] for row in rows], dropped)
         record = {
             "version": self.version,
             "time": time.time(),
@@ -271,26 +360,28 @@ class TrainingService:
             "rows_dropped": int(total["rows_dropped"]),
             "row_ids": sorted(trained),
             "dropped": dropped,
-            "tokens": int(global_tokens),
-            "tokens_per_s": global_tokens / max(train_seconds, 1e-9),
-            "staleness_histogram": hist,
+            "tokens": int(total["tokens"]),
+            "tokens_per_s": total["tokens"] / max(seconds["train_s"], 1e-9),
+            "staleness_histogram": {
+                label: int(total[f"staleness {label}"]) for label in bins if total[f"staleness {label}"]
+            },
             "reward_mean": reward_mean,
-            "wait_s": waited,
-            "train_s": train_seconds,
-            "publish_s": publish_seconds,
+            **seconds,
             "weights_bytes": published.num_bytes if published is not None else None,
         }
-        if cfg.routing_replay:  # response positions whose routing was the engine's
+        if self.config.routing_replay:  # response positions whose routing was the engine's
             record["replayed_tokens"] = int(total["replayed_tokens"])
-        for key in [k for k in steps[0] if k not in record] if steps else ():  # the version's totals stay
-            record[key] = sum(s[key] for s in steps) / len(steps)
-        self.metrics.write(record)
-        # After the version's metrics line: a run resumed from this checkpoint keeps it (lines past the
-        # checkpoint's version are dropped). Saved before it, a kill in between lost the line for good.
+        record.update(_step_means(steps, record))
+        return record
+
+    def _checkpoint(self) -> None:
+        """Every `checkpoint_every`-th version, after its metrics line: a run resumed from the checkpoint
+        keeps the line (lines past the checkpoint's version are dropped), where one saved before it would
+        lose the line to a kill in between."""
+        cfg = self.config
         if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0 and self.checkpoint_dir is not None:
             cursors = {"version": self.version, "best_reward": self.best_reward}
             checkpoint.save(self.checkpoint_dir, self.version, self.trainer, cursors)
-        return record
 
     def _lease(self, version: int) -> Batch | None:
         """This rank's rows for a version, or None after batch_timeout_s (sooner once closing: a prefetch
@@ -407,12 +498,8 @@ class TrainingService:
     def _per_token_columns(self) -> list[str]:
         """The columns with a value per response token that this service leases, in the order rows are
         checked by."""
-        names = [cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.ADVANTAGE]
-        names += [cols.TEACHER_TOPK_IDS, cols.TEACHER_TOPK_LOGPROBS] if self.config.distill else []
-        names += [cols.REF_LOGPROBS] if self.config.kl_to_reference else []
-        names += [cols.ROUTED_EXPERTS] if self.routing is not None else []
-        names += [cols.POLICY_MASK] if self.config.policy_mask else []
-        return names
+        optional = [column.name for column in self.config.optional_columns]
+        return [cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.ADVANTAGE, *optional]
 
     def _routing_problem(self, routed: torch.Tensor) -> str | None:
         """Why a row's routed_experts cannot be replayed in this model, or None."""
@@ -428,7 +515,9 @@ class TrainingService:
 
     def _minibatches(self, rows: list[dict]) -> list[PolicyBatch]:
         """Split rows into `minibatches` padded batches; a rank short of rows gets empty ones (it must
-        still join every collective of every step)."""
+        still join every collective of every step). None while the critic warms up (every rank alike)."""
+        if self._warming_up:
+            return []
         n = self.config.minibatches
         return [self._pad(rows[i::n]) for i in range(n)]
 
@@ -441,12 +530,9 @@ class TrainingService:
         packed = pack_shared_prompts(prompts, responses, t + 1) if self.routing is None else None
         at = response_positions([len(p) for p in prompts], [len(r) for r in responses], t)
         mask, adv, rollout = (torch.zeros(b, t, device=HOST) for _ in range(3))
-        extra = self._optional_empty(b, t)
+        optional = {column: self._padding(column, b, t) for column in self._batch_columns}
         columns = [(mask, "keep"), (adv, cols.ADVANTAGE), (rollout, cols.ROLLOUT_LOGPROBS)]
-        columns += [(extra["teacher_topk_ids"], cols.TEACHER_TOPK_IDS)] if self.config.distill else []
-        columns += [(extra["teacher_topk_logprobs"], cols.TEACHER_TOPK_LOGPROBS)] if self.config.distill else []
-        columns += [(extra["ref_logprobs"], cols.REF_LOGPROBS)] if self.config.kl_to_reference else []
-        columns += [(extra["routed_experts"], cols.ROUTED_EXPERTS)] if self.routing is not None else []
+        columns += [(padded, column.name) for column, padded in optional.items()]
         for padded, name in columns:  # every row's values at once, where its response's positions are
             padded.view(b * t, *padded.shape[2:])[at] = torch.cat([r[name] for r in rows]).to(padded.dtype)
         to = self.device
@@ -456,39 +542,32 @@ class TrainingService:
             adv.to(to),
             rollout_logprobs=rollout.to(to),
             packed=packed.to(to) if packed is not None else None,
-            **{k: v.to(to) for k, v in extra.items()},
+            **{column.batch_field: padded.to(to) for column, padded in optional.items()},
         )
 
     def _placeholder_row(self) -> dict:
         """A one-token row with nothing to train, for a rank that has no rows."""
         one = torch.zeros(1, dtype=torch.int64, device=HOST)
-        row = {
+        return {
             "prompt": one,
             "response": one,
             "keep": torch.zeros(1, dtype=torch.bool, device=HOST),
             cols.ADVANTAGE: torch.zeros(1, device=HOST),
             cols.ROLLOUT_LOGPROBS: torch.zeros(1, device=HOST),
+            **{column.name: self._padding(column, 1, 1)[0] for column in self._batch_columns},
         }
-        for name, value in self._optional_empty(1, 1).items():
-            row[
-                {
-                    "teacher_topk_ids": cols.TEACHER_TOPK_IDS,
-                    "teacher_topk_logprobs": cols.TEACHER_TOPK_LOGPROBS,
-                    "ref_logprobs": cols.REF_LOGPROBS,
-                    "routed_experts": cols.ROUTED_EXPERTS,
-                }[name]
-            ] = value[0]
-        return row
 
-    def _optional_empty(self, b: int, t: int) -> dict[str, torch.Tensor]:
-        extra = {}
-        if self.config.distill:
-            k = self.client.table(self.config.table).column(cols.TEACHER_TOPK_IDS).shape[1]
-            extra["teacher_topk_ids"] = torch.zeros(b, t, k, dtype=torch.int64, device=HOST)
-            extra["teacher_topk_logprobs"] = torch.zeros(b, t, k, device=HOST)
-        if self.config.kl_to_reference:
-            extra["ref_logprobs"] = torch.zeros(b, t, device=HOST)
-        if self.routing is not None:  # positions outside the responses route freely
-            layers, top_k, _ = self.routing
-            extra["routed_experts"] = torch.full((b, t, layers, top_k), FREE, dtype=torch.int64, device=HOST)
-        return extra
+    @property
+    def _batch_columns(self) -> list[OptionalColumn]:
+        """The optional columns this service leases that fill a PolicyBatch field."""
+        return [column for column in self.config.optional_columns if column.batch_field is not None]
+
+    def _padding(self, column: OptionalColumn, b: int, t: int) -> torch.Tensor:
+        """[b, t, *one token's shape] of the column's pad value: the model's routing for routed_experts
+        (rows routed otherwise are dropped), the table's shape for the others."""
+        shape = self.routing[:2] if column.name == cols.ROUTED_EXPERTS else self._table_column_shape(column.name)
+        return torch.full((b, t, *shape), column.pad, dtype=column.dtype, device=HOST)
+
+    def _table_column_shape(self, name: str) -> tuple[int, ...]:
+        """One token's shape in a per-token column of the table."""
+        return tuple(self.client.table(self.config.table).column(name).shape[1:])
