@@ -160,6 +160,20 @@ def test_every_nth_version_is_kept_as_an_hf_directory_whatever_the_transport(tmp
         KeepingPublisher(inner, 0, tmp_path / "kept", arch, "bfloat16")
 
 
+def test_a_kept_disk_version_is_announced_where_it_is_kept(client, unique, tmp_path):
+    arch = get_model("qwen3-tiny")
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=4)
+    stream = unique("kept")
+    reader = client.reader(stream, "eval", start=1)
+    inner = DirectoryPublisher(tmp_path / "weights", arch, dtype="float32")
+    publisher = KeepingPublisher(inner, 2, tmp_path / "kept", arch, "float32", client=client, stream=stream)
+    live = [publisher.publish(model, version) for version in range(3)]
+    kept = [Published.from_message(m.payload) for m in reader.read()]
+    assert [(p.version, p.location) for p in kept] == [(v, str(tmp_path / "kept" / f"v{v:06d}")) for v in (0, 2)]
+    assert [p.checksum for p in kept] == [live[0].checksum, live[2].checksum]
+    assert read_published(kept[-1])[1].keys() == dict(hf_tensors(model, arch, torch.float32)).keys()
+
+
 @pytest.mark.parametrize("model_name", ["qwen3-tiny", "qwen3-tiny-moe", "minicpm5-tiny"])
 def test_the_buckets_are_planned_from_shapes_alone_as_the_gathered_tensors_come(model_name):
     """Collective and shared-memory publishing lay a version out before gathering it: the names and shapes

@@ -2,10 +2,11 @@
 buckets broadcast to the engines on the weight-sync group (meshy.dataplane.weight_sync); and every n-th
 version kept as an HF directory whatever the transport (KeepingPublisher).
 
-Both publishers gather the model tensor by tensor (a DTensor's `full_tensor` is a collective every
+Every publisher gathers the model tensor by tensor (a DTensor's `full_tensor` is a collective every
 rank joins; only rank 0 keeps the result), so no rank ever holds a second copy of the whole model. Rank
 0 writes, then announces the version on the data plane's `weights` stream (meshy.dataplane.weights
-defines the message and the verified reader).
+defines the message and the verified reader): WeightsPublisher does that for every transport, and each
+transport's subclass only writes (and, once announced, prunes, unlinks or broadcasts).
 """
 
 import contextlib
@@ -88,10 +89,62 @@ def _check_dtype(dtype: str) -> None:
         raise SchemaError(f"publish dtype: expected one of {list(DTYPES)}, got {dtype!r}")
 
 
-class DirectoryPublisher:
+def _check_keep(keep: int) -> None:
+    if keep < 1:
+        raise SchemaError(f"publish keep: expected >= 1 versions, got {keep}")
+
+
+class WeightsPublisher:
+    """What publishing a version does whatever the transport: every rank joins the gather, rank 0 writes
+    the version the transport's way (`_write`), times it, announces it on `stream` and finishes
+    (`_after_announcing`: what the transport does once engines know of the version)."""
+
+    transport: Transport
+
+    def __init__(self, arch: DecoderArch, client: DataPlaneClient | None, dtype: str, stream: str):
+        _check_dtype(dtype)
+        self.arch = arch
+        self.client = client
+        self.dtype = dtype
+        self.stream = stream
+
+    def publish(self, model: torch.nn.Module, version: int) -> Published | None:
+        """Every rank calls this (the gather is a collective); rank 0 writes, announces and returns what it
+        announced."""
+        start = time.perf_counter()
+        if not _is_writer():
+            list(full_hf_tensors(model, self.arch))  # joins every gather; yields nothing here
+            return None
+        location, checksum, num_bytes = self._write(model, version)
+        published = Published(version, self.transport, location, checksum, num_bytes, time.perf_counter() - start)
+        self._announce(published)
+        self._after_announcing(published)
+        return published
+
+    def _write(self, model: torch.nn.Module, version: int) -> tuple[str, str, int]:
+        """Rank 0: gather and write the version; its (location, checksum, num_bytes)."""
+        raise NotImplementedError
+
+    def _after_announcing(self, published: Published) -> None:
+        """Rank 0, once the version is announced."""
+
+    def _announce(self, published: Published) -> None:
+        if self.client is not None:
+            self.client.append(self.stream, published.to_message())
+
+    def _buckets_location(self, layout: BucketLayout, **more: object) -> str:
+        """A bucketed version's location: its config.json, the buckets' sizes, the tensors' manifest and
+        what the transport adds."""
+        meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
+        return json.dumps({**meta, **more})
+
+
+class DirectoryPublisher(WeightsPublisher):
     """Writes version v to `root/v{v:06d}`: config.json, model.safetensors (or shards and an index).
     The directory is built under a temporary name and renamed into place, so no reader ever sees half a
     version (a process crash leaves only the temporary; torn writes after power loss fail the checksum)."""
+
+    transport = Transport.DISK
 
     def __init__(
         self,
@@ -103,41 +156,41 @@ class DirectoryPublisher:
         keep: int = 2,
         stream: str = WEIGHTS_STREAM,
     ):
-        _check_dtype(dtype)
-        if keep < 1:
-            raise SchemaError(f"publish keep: expected >= 1 versions, got {keep}")
+        super().__init__(arch, client, dtype, stream)
+        _check_keep(keep)
         self.root = Path(root)
-        self.arch = arch
-        self.client = client
-        self.stream = stream
-        self.dtype = dtype
         self.max_shard_bytes = max_shard_bytes
         self.keep = keep
 
-    def publish(self, model: torch.nn.Module, version: int) -> Published | None:
-        """Every rank calls this; rank 0 writes, announces and returns what it announced."""
-        start = time.perf_counter()
-        final = self.root / f"v{version:06d}"
+    def link(self, published: Published) -> None:
+        """Keep a version another DirectoryPublisher wrote as hard links to its files under this root, and
+        announce it (rank 0)."""
+        kept = self._directory(published.version)
+        shutil.copytree(published.location, kept, copy_function=os.link)
+        self._announce(replace(published, location=str(kept)))
+
+    def _directory(self, version: int) -> Path:
+        return self.root / f"v{version:06d}"
+
+    def _write(self, model: torch.nn.Module, version: int) -> tuple[str, str, int]:
+        final = self._directory(version)
         tmp = self.root / f".v{version:06d}.tmp{os.getpid()}"
-        if _is_writer():
-            if final.exists():
-                raise SchemaError(f"weights version {version} already exists at {final}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+        if final.exists():
+            raise SchemaError(f"weights version {version} already exists at {final}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         shard: dict[str, torch.Tensor] = {}
         shard_bytes, weight_map, files, digests = 0, {}, [], {}
         for name, tensor in hf_tensors(model, self.arch, DTYPES[self.dtype]):
             digests[name] = digest_later(tensor)  # hashed while shards are written
             size = tensor.numel() * tensor.element_size()
             if shard and shard_bytes + size > self.max_shard_bytes:
-                files.append(self._write(tmp, len(files), shard))
+                files.append(self._write_shard(tmp, len(files), shard))
                 shard, shard_bytes = {}, 0
             shard[name] = tensor
             weight_map[name] = len(files)
             shard_bytes += size
-        if not _is_writer():
-            return None
-        files.append(self._write(tmp, len(files), shard))
+        files.append(self._write_shard(tmp, len(files), shard))
         names = (
             ["model.safetensors"]
             if len(files) == 1
@@ -152,28 +205,26 @@ class DirectoryPublisher:
         (tmp / "config.json").write_text(json.dumps(self.arch.hf_config(self.dtype), indent=1))
         checksum = combine_digests({name: digest.result() for name, digest in digests.items()})
         os.rename(tmp, final)
-        published = Published(version, Transport.DISK, str(final), checksum, num_bytes, time.perf_counter() - start)
-        if self.client is not None:
-            self.client.append(self.stream, published.to_message())
-        self._prune(version)
-        return published
+        return str(final), checksum, num_bytes
 
     @staticmethod
-    def _write(directory: Path, i: int, tensors: dict[str, torch.Tensor]) -> str:
+    def _write_shard(directory: Path, i: int, tensors: dict[str, torch.Tensor]) -> str:
         name = f".shard{i}.safetensors"
         save_file(tensors, directory / name, metadata={"format": "pt"})
         return name
 
-    def _prune(self, version: int) -> None:
+    def _after_announcing(self, published: Published) -> None:
         """Keep the newest `keep` versions (readers load the latest one announced)."""
         for old in self.root.glob("v[0-9]*"):
-            if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) <= version - self.keep:
+            if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) <= published.version - self.keep:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-class SharedMemoryPublisher:
+class SharedMemoryPublisher(WeightsPublisher):
     """Same-host path: a version's tensors packed into POSIX shared-memory buckets, with a manifest of
     (name, dtype, shape, bucket, offset) in the announcement. Nothing touches disk."""
+
+    transport = Transport.SHARED_MEMORY
 
     def __init__(
         self,
@@ -185,24 +236,14 @@ class SharedMemoryPublisher:
         keep: int = 2,
         stream: str = WEIGHTS_STREAM,
     ):
-        _check_dtype(dtype)
-        if keep < 1:
-            raise SchemaError(f"publish keep: expected >= 1 versions, got {keep}")
+        super().__init__(arch, client, dtype, stream)
+        _check_keep(keep)
         self.prefix = prefix
-        self.arch = arch
-        self.client = client
-        self.stream = stream
-        self.dtype = dtype
         self.bucket_bytes = bucket_bytes
         self.keep = keep
         self._versions: dict[int, list[shared_memory.SharedMemory]] = {}
 
-    def publish(self, model: torch.nn.Module, version: int) -> Published | None:
-        start = time.perf_counter()
-        tensors = full_hf_tensors(model, self.arch)
-        if not _is_writer():
-            list(tensors)  # joins every gather; yields nothing here
-            return None
+    def _write(self, model: torch.nn.Module, version: int) -> tuple[str, str, int]:
         specs = hf_specs(model, self.arch, DTYPES[self.dtype])
         layout = BucketLayout.plan(specs, self.bucket_bytes, prefix=f"{self.prefix}-v{version}-b")
         buckets = {
@@ -214,6 +255,7 @@ class SharedMemoryPublisher:
                 name: torch.frombuffer(shm.buf, dtype=torch.uint8, count=max(layout.sizes[name], 1))
                 for name, shm in buckets.items()
             }
+            tensors = full_hf_tensors(model, self.arch)
             checksum = pack_version(layout, buffers, tensors, f"shared-memory publishing v{version}")
             del buffers  # no view may outlive the mappings
         except BaseException:
@@ -222,21 +264,13 @@ class SharedMemoryPublisher:
                 with contextlib.suppress(BufferError):
                     shm.close()
             raise
-        meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
-        published = Published(
-            version,
-            Transport.SHARED_MEMORY,
-            json.dumps(meta),
-            checksum,
-            sum(layout.sizes.values()),
-            time.perf_counter() - start,
-        )
         self._versions[version] = list(buckets.values())
-        if self.client is not None:
-            self.client.append(self.stream, published.to_message())
-        for old in [v for v in self._versions if v <= version - self.keep]:
+        return self._buckets_location(layout), checksum, sum(layout.sizes.values())
+
+    def _after_announcing(self, published: Published) -> None:
+        """Unlink the versions older than the newest `keep`."""
+        for old in [v for v in self._versions if v <= published.version - self.keep]:
             self._unlink(old)
-        return published
 
     def _unlink(self, version: int) -> None:
         for shm in self._versions.pop(version):
@@ -249,7 +283,7 @@ class SharedMemoryPublisher:
             self._unlink(version)
 
 
-class CollectivePublisher:
+class CollectivePublisher(WeightsPublisher):
     """Version v as buckets that training rank 0 broadcasts to every engine on the weight-sync group, after
     announcing it (config, bucket layout, checksum) on the `weights` stream so the engines join. Nothing
     touches disk. Rank 0 plans the buckets once and converts every version straight into the same
@@ -259,6 +293,8 @@ class CollectivePublisher:
     every `full_every`-th one and whenever an engine asked for one on the resync stream (it could not
     rebuild a delta). The buffers hold the previous version, and comparing each tensor with it advances
     them to this one, so rank 0 still holds one copy of the model."""
+
+    transport = Transport.COLLECTIVE
 
     def __init__(
         self,
@@ -271,7 +307,7 @@ class CollectivePublisher:
         delta: bool = False,
         full_every: int = 10,
     ):
-        _check_dtype(dtype)
+        super().__init__(arch, client, dtype, stream)
         if bucket_bytes < 1 or full_every < 1:
             raise SchemaError(
                 f"collective publishing: bucket_bytes and full_every >= 1, got {bucket_bytes}, {full_every}"
@@ -279,10 +315,6 @@ class CollectivePublisher:
         if group is None and _is_writer():
             raise SchemaError("collective publishing: training rank 0 needs the weight-sync group")
         self.group = group
-        self.arch = arch
-        self.client = client
-        self.stream = stream
-        self.dtype = dtype
         self.bucket_bytes = bucket_bytes
         self.delta = delta
         self.full_every = full_every
@@ -290,42 +322,37 @@ class CollectivePublisher:
         self._buffers: dict[str, torch.Tensor] = {}  # the last version packed (rank 0)
         self._held: int | None = None  # the version _buffers hold intact, the next delta's base
         self._since_full = 0
+        self._sending: dict[str, torch.Tensor] = {}  # the buckets of the version being published (rank 0)
         self._resync = None  # engines' requests for a whole version (delta only; rank 0 only)
         if delta and client is not None and _is_writer():
             self._resync = client.reader(resync_stream(stream), "collective-publisher", start="latest")
 
-    def publish(self, model: torch.nn.Module, version: int) -> Published | None:
-        """Every rank calls this (the gather is a collective); rank 0 announces, then broadcasts."""
-        start = time.perf_counter()
-        if not _is_writer():
-            list(full_hf_tensors(model, self.arch))  # joins every gather; yields nothing here
-            return None
+    def _write(self, model: torch.nn.Module, version: int) -> tuple[str, str, int]:
+        """Pack the version (or its delta) into the buckets broadcast once it is announced."""
         if self._layout is None:
             self._layout = BucketLayout.plan(hf_specs(model, self.arch, DTYPES[self.dtype]), self.bucket_bytes)
             self._buffers = self._layout.allocate()
         asked = self._asked()  # read every version, so a request is answered once, not again after a whole one
         base, self._held = self._held, None  # the buffers change: they hold a version again once it is packed
         if self.delta and base is not None and self._since_full < self.full_every - 1 and not asked:
-            layout, sent, checksum, delta = self._encode(model, base)
+            layout, self._sending, checksum, delta = self._encode(model, base)
         else:
-            layout, sent, delta = self._layout, self._buffers, None
+            layout, self._sending, delta = self._layout, self._buffers, None
             tensors = full_hf_tensors(model, self.arch)
-            checksum = pack_version(layout, sent, tensors, f"collective publishing v{version}")
+            checksum = pack_version(layout, self._sending, tensors, f"collective publishing v{version}")
         self._held = version
         self._since_full = 0 if delta is None else self._since_full + 1
-        meta = {"config": self.arch.hf_config(self.dtype), "buckets": layout.sizes, "tensors": layout.manifest}
+        more: dict[str, object] = {}
         if delta is not None:
-            meta["delta"] = delta
+            more["delta"] = delta
         if self.group.rendezvous is not None:  # engines that join the group themselves learn where here
-            meta["rendezvous"] = self.group.rendezvous
-        seconds = time.perf_counter() - start  # gathered and packed
-        published = Published(
-            version, Transport.COLLECTIVE, json.dumps(meta), checksum, sum(layout.sizes.values()), seconds
-        )
-        if self.client is not None:
-            self.client.append(self.stream, published.to_message())
-        self.group.send(published, sent)
-        return published
+            more["rendezvous"] = self.group.rendezvous
+        return self._buckets_location(layout, **more), checksum, sum(layout.sizes.values())
+
+    def _after_announcing(self, published: Published) -> None:
+        """Broadcast the version to the engines, which joined on its announcement."""
+        sending, self._sending = self._sending, {}
+        self.group.send(published, sending)
 
     def _encode(self, model: torch.nn.Module, base: int) -> tuple[BucketLayout, dict[str, torch.Tensor], str, dict]:
         """(layout, buffers, checksum, delta description) of the delta from version `base`, which the
@@ -365,7 +392,7 @@ class KeepingPublisher:
 
     def __init__(
         self,
-        publisher: "DirectoryPublisher | SharedMemoryPublisher | CollectivePublisher | KeepingPublisher",
+        publisher: "WeightsPublisher | KeepingPublisher",
         every: int,
         root: str | Path,
         arch: DecoderArch,
@@ -379,10 +406,7 @@ class KeepingPublisher:
         self.publisher = publisher
         self.every = every
         self.last = last
-        self.root = Path(root)
-        self.client = client
-        self.stream = stream
-        self._writer = DirectoryPublisher(self.root, arch, client, dtype=dtype, keep=1 << 62, stream=stream)
+        self._writer = DirectoryPublisher(root, arch, client, dtype=dtype, keep=1 << 62, stream=stream)
         inner = publisher
         while isinstance(inner, KeepingPublisher):
             inner = inner.publisher
@@ -394,11 +418,6 @@ class KeepingPublisher:
             return published
         if not self._links:
             self._writer.publish(model, version)  # written and announced by rank 0
-            return published
-        if published is None:  # not rank 0
-            return published
-        kept = self.root / f"v{version:06d}"
-        shutil.copytree(published.location, kept, copy_function=os.link)
-        if self.client is not None:
-            self.client.append(self.stream, replace(published, location=str(kept)).to_message())
+        elif published is not None:  # rank 0
+            self._writer.link(published)
         return published
