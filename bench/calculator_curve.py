@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshy.recipes.recipe.catalog import resolve
+from meshy.recipes.roles.context import RecordKind
 
 TOOL, NO_TOOL = "true", "false"  # environment_options.tool
 TARGET = 0.9  # the mean reward the recipe promises (issue 14: from chance to >= 0.9 in 15 minutes)
@@ -120,7 +121,7 @@ def measure(source: Path, tool: str, seed: int, minutes: float, kept: Path | Non
             (r["time"] - start, r["reward"])
             for path in sorted((runs[0] / "records").glob("environment-*.jsonl"))
             for r in lines(path)
-            if r["kind"] == "trajectory"
+            if r["kind"] == RecordKind.TRAJECTORY
         ]
         curve = Curve([(m["time"] - start, m["reward_mean"]) for m in metrics], sorted(trajectories))
         return curve, f"{ending}, {len(metrics)} versions"
