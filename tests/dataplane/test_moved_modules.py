@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 IMPORT_EVERY_OLD_PATH = """
 import importlib, json, sys, warnings
 import meshy.dataplane, meshy.train, meshy.recipes
@@ -40,3 +42,18 @@ def test_an_old_path_still_runs_with_python_m():
     )
     assert "meshy.recipes.reference moved to meshy.recipes.recipe.field_reference" in out.stderr
     assert out.stdout.startswith("# Recipe reference")
+
+
+def test_the_announcement_formats_old_names_still_read_with_a_warning():
+    from meshy.dataplane import weights
+
+    with pytest.warns(DeprecationWarning, match="Transport.DISK.format"):
+        assert weights.DISK == "hf-safetensors"
+    with pytest.warns(DeprecationWarning, match="Transport.COLLECTIVE.format"):
+        from meshy.dataplane.weights import COLLECTIVE
+    assert COLLECTIVE == "collective"
+    published = weights.Published(3, weights.Transport.SHARED_MEMORY, "{}", "0", 0, 0.0)
+    with pytest.warns(DeprecationWarning, match="Published.transport"):
+        assert published.format == "shared-memory" == published.to_message()["format"]
+    with pytest.raises(AttributeError, match="NCCL"):
+        weights.NCCL  # noqa: B018

@@ -12,6 +12,7 @@ tensor lies in which bucket (name, dtype, shape, bucket, offset, nbytes).
 import contextlib
 import json
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,6 +74,18 @@ _FORMATS = {
 }
 
 
+def __getattr__(name: str) -> str:
+    """DISK, SHARED_MEMORY and COLLECTIVE, the announcement formats' old names, until 0.3."""
+    if name in Transport.__members__:
+        warnings.warn(
+            f"meshy.dataplane.weights.{name} is Transport.{name}.format (removed in meshy 0.3)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Transport[name].format
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @dataclass(frozen=True)
 class Published:
     """One version as announced on the `weights` stream.
@@ -88,6 +101,12 @@ class Published:
     checksum: str
     num_bytes: int
     seconds: float
+
+    @property
+    def format(self) -> str:
+        """The announcement's format (Transport.format); Published.transport says the same, until 0.3."""
+        warnings.warn("Published.format is Published.transport.format (removed in meshy 0.3)", DeprecationWarning, 2)
+        return self.transport.format
 
     def to_message(self) -> dict:
         """The stream's message: these fields, with the transport as its `format` (Transport.format)."""
