@@ -56,9 +56,14 @@ class PolicyBatch:
 
 
 def adamw(model: torch.nn.Module, optim: OptimConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the model's parameters and its linear warm-up schedule (optim.warmup_steps)."""
+    """AdamW over the model's trainable parameters (the adapters only, under LoRA: meshy.train.lora) and its
+    linear warm-up schedule (optim.warmup_steps)."""
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
     )
     warmup = optim.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(

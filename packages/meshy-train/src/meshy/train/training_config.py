@@ -137,3 +137,32 @@ class LossConfig:
             )
         if self.entropy_metric_tokens < 0:
             raise SchemaError(f"LossConfig.entropy_metric_tokens: expected >= 0, got {self.entropy_metric_tokens}")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the policy's projections (meshy.train.lora): the base weights are frozen and only the
+    adapters train; each adapted projection computes W x + (alpha / rank) B A dropout(x)."""
+
+    rank: int = 8
+    """The adapters' rank r (>= 1): A is r x in, B is out x r."""
+    alpha: float = 16.0
+    """The adapters' scale is alpha / rank (finite, > 0)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
+    targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
+    """The torchtitan names of the projections to adapt in every layer: the attention's wq, wk, wv, wo and a dense
+    MLP's w1, w2, w3 (the model says which it has; a mixture's experts cannot be adapted). Not empty, no repeats."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.rank < 1:
+            raise SchemaError(f"LoraConfig.rank: expected >= 1, got {self.rank}")
+        if not 0 < self.alpha < math.inf:
+            raise SchemaError(f"LoraConfig.alpha: expected a finite value > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise SchemaError(f"LoraConfig.dropout: expected a value in [0, 1), got {self.dropout}")
+        if not self.targets or len(set(self.targets)) != len(self.targets) or "" in self.targets:
+            raise SchemaError(
+                f"LoraConfig.targets: expected one or more distinct projection names, got {self.targets!r}"
+            )
