@@ -7,7 +7,9 @@ the rise is seen.
 Why 0.6 and not the 0.9 most runs reach: the runs are not replayed exactly (pacing 2, four processes), and
 of the ten runs of seed 0-4 so far three held below 0.9 within 1,200 versions (best 20-version means 0.68,
 0.78, 0.83); every one passed 0.6. The 0.9 is the bench's figure over seeds, not
-a bound a single run can be held to."""
+a bound a single run can be held to. Likewise the share of trajectories with one answered call in that
+window: 0.947 and 0.971 in two runs of the same code (0.989 ten versions earlier in the first), so the
+test asks for 0.9, far above a model that has not learned the tool (it starts near 0)."""
 
 import re
 from pathlib import Path
@@ -45,4 +47,4 @@ def test_the_calculator_recipe_learns_to_call_the_tool_and_answer_exactly(tmp_pa
     assert len(played) == len(rows)
     exact = sum(r["reward"] > 1 - 1e-6 for r in played) / len(played)
     called = sum(r["tool_calls"].get("calculator", 0) == 1 and not r["tool_errors"] for r in played) / len(played)
-    assert exact >= 0.4 and called >= 0.95, f"exact answers {exact:.2f}, one calculator call answered {called:.2f}"
+    assert exact >= 0.4 and called >= 0.9, f"exact answers {exact:.2f}, one calculator call answered {called:.2f}"
