@@ -22,6 +22,7 @@ from multiprocessing import shared_memory
 import torch
 import xxhash
 
+from meshy.dataplane.adapters import Adapter
 from meshy.dataplane.devices import HOST
 from meshy.dataplane.errors import DataPlaneError, SchemaError
 from meshy.dataplane.hf_directory import HFDirectory
@@ -93,6 +94,7 @@ class Published:
     location: the directory (DISK), or the JSON of config.json, bucket sizes and the tensors' manifest
         (SHARED_MEMORY, COLLECTIVE).
     checksum: xxh3-128 over the tensors (integrity against torn or truncated writes, not tampering).
+    adapter: a LoRA version's adapters (meshy.dataplane.adapters); None: the whole model's weights.
     """
 
     version: int
@@ -101,6 +103,7 @@ class Published:
     checksum: str
     num_bytes: int
     seconds: float
+    adapter: Adapter | None = None
 
     @property
     def format(self) -> str:
@@ -110,7 +113,7 @@ class Published:
 
     def to_message(self) -> dict:
         """The stream's message: these fields, with the transport as its `format` (Transport.format)."""
-        return {
+        message = {
             "version": self.version,
             "format": self.transport.format,
             "location": self.location,
@@ -118,12 +121,17 @@ class Published:
             "num_bytes": self.num_bytes,
             "seconds": self.seconds,
         }
+        if self.adapter is not None:
+            message["adapter"] = self.adapter.to_dict()
+        return message
 
     @classmethod
     def from_message(cls, message: dict) -> "Published":
         fields = dict(message)
         try:
-            return cls(transport=Transport.of_format(fields.pop("format")), **fields)
+            adapter = fields.pop("adapter", None)
+            adapter = None if adapter is None else Adapter.from_dict(adapter)
+            return cls(transport=Transport.of_format(fields.pop("format")), adapter=adapter, **fields)
         except (KeyError, TypeError) as e:
             raise SchemaError(
                 f"weights message: expected the fields of Published (its transport as format), got {sorted(message)}"
