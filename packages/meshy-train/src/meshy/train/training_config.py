@@ -153,6 +153,9 @@ class LoraConfig:
     targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
     """The torchtitan names of the projections to adapt in every layer: the attention's wq, wk, wv, wo and a dense
     MLP's w1, w2, w3 (the model says which it has; a mixture's experts cannot be adapted). Not empty, no repeats."""
+    merge_final: bool = False
+    """Also keep the final version merged into the base (W + scale B A) as a whole HF model beside the adapter, for
+    tools that load a plain model."""
 
     def __post_init__(self) -> None:
         check_fields(self)
