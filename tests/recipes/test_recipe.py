@@ -6,6 +6,7 @@ import pytest
 from meshy.dataplane import SchemaError
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.recipe.topology import assign
+from meshy.train.training_config import LoraConfig
 
 DEFAULT = DEFAULT_RECIPE.read_text()
 
@@ -387,3 +388,48 @@ def test_the_sampling_section_hands_the_engines_their_settings_and_their_checks_
         recipe_from(tmp_path, DEFAULT.replace("max_in_flight = 256", "max_in_flight = 256\ntop_p = 2.0"))
     with pytest.raises(SchemaError, match=re.escape("recipe.eval: SamplingParams.max_new_tokens: expected >= 0")):
         recipe_from(tmp_path, DEFAULT + "\n[eval]\nmax_new_tokens = -1\n")
+
+
+def with_lora(text: str, section: str = "") -> str:
+    """The default recipe with a [model.lora] section (its fields: `section`)."""
+    return text + f"\n[model.lora]\n{section}\n"
+
+
+def test_model_lora_is_the_trainer_s_lora_config_and_adapts_the_policy_only(tmp_path):
+    recipe = recipe_from(tmp_path, with_lora(DEFAULT, 'rank = 4\nalpha = 8.0\ntargets = ["wq", "wv", "w2"]'))
+    assert recipe.model.lora == LoraConfig(rank=4, alpha=8.0, targets=("wq", "wv", "w2"))
+    assert load_recipe().model.lora is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (
+            lambda t: with_lora(t, 'targets = ["q_proj"]'),
+            "recipe.model: lora: LoraConfig.targets: unknown projection 'q_proj' for this model; expected names among "
+            "['w1', 'w2', 'w3', 'wk', 'wo', 'wq', 'wv']",
+        ),
+        (
+            lambda t: with_lora(moe_replay(t), 'targets = ["wq", "w2"]'),
+            "recipe.model: lora: LoraConfig.targets: 'w2' names a mixture-of-experts' expert weights",
+        ),
+        (lambda t: with_lora(t, "rank = 0"), "recipe.model.lora: LoraConfig.rank: expected >= 1, got 0"),
+        (lambda t: with_lora(t, "ranks = 8"), "recipe.model.lora: unknown field 'ranks'"),
+    ],
+)
+def test_a_bad_lora_section_names_the_field(tmp_path, edit, needle):
+    with pytest.raises(SchemaError) as err:
+        recipe_from(tmp_path, edit(DEFAULT))
+    assert needle in str(err.value)
+
+
+def test_a_teacher_given_as_a_peft_adapter_is_refused(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    text = DEFAULT.replace("[model]", f'[model]\nteacher = "{adapter}"')
+    with pytest.raises(SchemaError) as err:
+        recipe_from(tmp_path, text)
+    assert f"recipe.model: teacher: {adapter} is a PEFT adapter (adapter_config.json); the teacher never takes" in str(
+        err.value
+    )

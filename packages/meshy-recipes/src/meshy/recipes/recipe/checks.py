@@ -5,6 +5,9 @@ load_recipe runs these checks after them, and so must code that builds a Recipe 
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+import torch
 
 from meshy.dataplane import DataPlaneConfig, SchemaError
 from meshy.dataplane.weights import Transport
@@ -12,6 +15,8 @@ from meshy.recipes.recipe.dataflow import check_dataflow
 from meshy.recipes.recipe.spec import RING_ROLES, ModelSpec, Recipe
 from meshy.recipes.recipe.topology import layout
 from meshy.recipes.weights.pretrained import check_init
+from meshy.train.lora import ADAPTER_CONFIG, apply_lora
+from meshy.train.titan_models import titan_config
 
 
 def check_recipe(recipe: Recipe) -> None:
@@ -23,8 +28,19 @@ def check_recipe(recipe: Recipe) -> None:
 
 
 def check_model(model: ModelSpec) -> None:
-    """The weights model.init names can be read (an HF directory is opened) and have the model's shape."""
+    """The weights model.init names can be read (an HF directory is opened) and have the model's shape; the
+    teacher is a whole model; model.lora adapts projections the model has."""
     check_init(model.init, model.arch())
+    if model.teacher is not None and (Path(model.teacher) / ADAPTER_CONFIG).is_file():
+        raise SchemaError(
+            f"teacher: {model.teacher} is a PEFT adapter ({ADAPTER_CONFIG}); the teacher never takes adapters: "
+            "expected a whole model (peft's merge_and_unload(), then save_pretrained)"
+        )
+    if model.lora is not None:
+        with torch.device("meta"):  # the model's modules without its memory
+            shape = titan_config(model.arch()).build()
+        with _under("lora"):
+            apply_lora(shape, model.lora)
 
 
 def check_run(recipe: Recipe) -> None:

@@ -5,7 +5,7 @@ failing with one error naming the field's full path (`recipe.algorithm.loss.clip
 field or a wrong type. What only the whole run can check (an impossible topology, a column nobody writes, the
 weights the model starts from) is checked by meshy.recipes.recipe.checks, after the sections are built:
 load_recipe (meshy.recipes.recipe.load) runs both.
-Sections reuse the components' own configs (LossConfig, OptimConfig, ParallelConfig, DataPlaneConfig).
+Sections reuse the components' own configs (LoraConfig, LossConfig, OptimConfig, ParallelConfig, DataPlaneConfig).
 """
 
 import dataclasses
@@ -26,7 +26,7 @@ from meshy.infer.engine import SamplingParams
 from meshy.recipes.agents.trajectory import AgentLimits
 from meshy.recipes.prompts.chat_templates import TEMPLATES
 from meshy.train.models import get_model
-from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
+from meshy.train.training_config import LoraConfig, LossConfig, OptimConfig, ParallelConfig
 
 BUILTIN_ROLES = ("training", "inference", "rollout", "environment", "critic", "teacher", "reference", "eval")
 # the roles that hand devices over through a GPU token ring (meshy.recipes.roles.colocation)
@@ -207,6 +207,10 @@ class ModelSpec:
     """Architecture fields to change (e.g. vocab_size for a task tokenizer)."""
     teacher: str | None = None
     """The teacher's weights, named as init's (distillation: algorithm.kind = "distill" needs it)."""
+    lora: LoraConfig | None = None
+    """[model.lora]: train low-rank adapters on the frozen policy instead of every weight, and publish each version as
+    its adapters only (meshy.train.lora). The policy only: a critic is its own whole model (a copy of model.init
+    with a value head) trained whole, and the teacher and the reference never take adapters."""
 
     def __post_init__(self) -> None:
         check_fields(self)
