@@ -84,7 +84,7 @@ def test_peft_loads_the_saved_adapter_onto_the_hf_model_with_our_logits(model_na
     config = LoraConfig(rank=4, alpha=8.0, dropout=0.1, targets=EVERY_PROJECTION)
     apply_lora(model, config)
     train(model, arch.vocab_size, steps=3)
-    directory = save_adapter(model, config, tmp_path / "adapter", base_model_name_or_path=base_dir)
+    directory = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=base_dir)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,5 +1,7 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): model and optimizer (sharded as trained), LR
 scheduler, step, every rank's RNG state (CPU, Python and CUDA) and the data-plane cursors the caller hands in.
+The model's frozen parameters are not saved: under LoRA (meshy.train.lora) a checkpoint holds the adapters and
+their optimizer state, and the base is the model's own, from `model.init` (or the seed), loaded before.
 
 A checkpoint is written under a temporary name and renamed once every rank has finished, so
 `latest` never returns a half-written one. Resuming from it reproduces the next step bit for bit.
@@ -22,10 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshy.dataplane.devices import HOST
-from meshy.dataplane.errors import DataPlaneError
+from meshy.dataplane.errors import DataPlaneError, SchemaError
 
 _PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -79,8 +81,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _frozen(model: torch.nn.Module) -> set[str]:
+    """The state-dict names of the model's frozen parameters: a LoRA model's base, a tied weight under each of
+    its names (DCP's ignore_frozen_params drops only the first)."""
+    state = model.state_dict(keep_vars=True)
+    return {name for name, value in state.items() if isinstance(value, torch.nn.Parameter) and not value.requires_grad}
+
+
 def _state(trainer: Trainer, cursors: dict[str, Any]) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+    frozen = _frozen(trainer.model)
+    model_state = {name: value for name, value in model_state.items() if name not in frozen}
     rank = _rank()
     return {
         "model": model_state,
@@ -145,10 +156,19 @@ def load(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     verify(path)
     state = _state(trainer, {})
     rng_key = f"rng_rank{_rank()}"
-    state["cursors"] = _saved_cursors(path)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    _check_fits(path, metadata, state["model"])
+    state["cursors"] = _saved_cursors(metadata)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        # Not strict without the frozen entries; every other one DCP has read (it raises on a missing one).
+        options=StateDictOptions(strict=not _frozen(trainer.model)),
+    )
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.steps = state["progress"]["steps"]
     trainer.skipped_nonfinite = state["progress"]["skipped_nonfinite"]
@@ -168,9 +188,27 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _saved_cursors(path: Path) -> dict[str, Any]:
+def _check_fits(path: Path, metadata: dcp.Metadata, model_state: dict[str, Any]) -> None:
+    """Raise SchemaError unless the checkpoint holds the model entries the trainer has, of their shapes: a
+    full model's, or a LoRA model's adapters of the same targets and rank (a changed model.lora does not
+    resume)."""
+    saved = {
+        key.split(".", 1)[1]: tuple(getattr(entry, "size", ()))
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+    ours = {name: tuple(getattr(value, "shape", ())) for name, value in model_state.items()}
+    differ = sorted(name for name in saved.keys() | ours.keys() if saved.get(name) != ours.get(name))
+    if differ:
+        shown = ", ".join(f"{name} saved {saved.get(name)}, here {ours.get(name)}" for name in differ[:3])
+        raise SchemaError(
+            f"checkpoint {path}: its model does not fit the trainer's ({len(differ)} entries differ: {shown}); "
+            "a run resumes with the model (and model.lora) it was saved with"
+        )
+
+
+def _saved_cursors(metadata: dcp.Metadata) -> dict[str, Any]:
     """The cursors' structure, so DCP knows which entries to read back."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
     keys = [k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith("cursors.")]
     return dict.fromkeys(keys)
 

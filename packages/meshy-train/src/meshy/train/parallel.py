@@ -21,9 +21,10 @@ from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 from meshy.dataplane import SchemaError
 from meshy.train import cpu
+from meshy.train.lora import apply_lora, base_names, init_adapters
 from meshy.train.models import DecoderArch
 from meshy.train.titan_models import state_dict_adapter, titan_config
-from meshy.train.training_config import ParallelConfig
+from meshy.train.training_config import LoraConfig, ParallelConfig
 
 SPMD_BACKEND = "partial_dtensor"  # DTensor for model-parallel axes only; plain tensors in and out
 
@@ -40,13 +41,21 @@ def build_model(
     device: str | torch.device,
     dtype: ModelDtype = "float32",
     seed: int = 0,
+    lora: LoraConfig | None = None,
 ) -> tuple[torch.nn.Module, ParallelDims]:
-    """The model on `device`, computing in `dtype` over float32 weights, initialised from `seed`.
+    """The model on `device`, computing in `dtype` over float32 weights, initialised from `seed`; with `lora`,
+    its base frozen and low-rank adapters on the projections `lora` targets (meshy.train.lora), the only
+    parameters that train.
 
     Every process applies the same torchtitan parallelize step (activation checkpointing, compile); the
     processes of a role with several share the model with FSDP2, whose mixed-precision policy computes
     in `dtype`. A single process is not sharded, so it computes in `dtype` under autocast, as
-    torchtitan's own trainer does on one device."""
+    torchtitan's own trainer does on one device.
+
+    Adapters are added to the model on the meta device, before it is parallelized: FSDP2 shards them with
+    their blocks, activation checkpointing and compile wrap the blocks that hold them. The base is
+    initialised as it is without adapters, the adapters from `seed` (meshy.train.lora.init_adapters).
+    (Tensor and context parallelism, which would split the adapters too, are refused by ParallelConfig.)"""
     if dtype not in DTYPES:
         raise SchemaError(f"build_model dtype: expected one of {list(DTYPES)}, got {dtype!r}")
     device = torch.device(device)
@@ -72,6 +81,8 @@ def build_model(
     )
     with torch.device("meta"):
         model = model_config.build()
+    if lora is not None:
+        apply_lora(model, lora)
     if world > 1:
         dims.build_mesh()
         set_spmd_backend(SPMD_BACKEND)
@@ -91,6 +102,8 @@ def build_model(
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    if lora is not None:
+        init_adapters(model, seed)
     if world == 1 and dtype != "float32":  # the output projection too, when called alone (response_logits)
         for module in (model, model.lm_head):
             module.forward = torch.autocast(device.type, dtype=DTYPES[dtype])(module.forward)
@@ -115,10 +128,14 @@ def shard_beside(module: torch.nn.Module, model: torch.nn.Module) -> None:
 
 
 def load_weights(model: torch.nn.Module, arch: DecoderArch, hf_tensors: dict[str, torch.Tensor]) -> None:
-    """Load full HF-named tensors (the same on every rank) into a possibly sharded model."""
+    """Load full HF-named tensors (the same on every rank) into a possibly sharded model. A model with
+    adapters takes them as its base (each adapted weight into its `base_layer`); its adapters are untouched."""
     state = state_dict_adapter(arch).from_hf(dict(hf_tensors))  # from_hf mutates its argument
-    expected = set(model.state_dict())
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    names = base_names(model)
+    if set(state) != set(names):
+        missing, extra = sorted(set(names) - set(state)), sorted(set(state) - set(names))
         raise SchemaError(f"weights do not fit {arch.architecture}: missing {missing[:5]}, unexpected {extra[:5]}")
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+    state = {names[name]: tensor for name, tensor in state.items()}
+    # Not strict where the adapters are left out (every other entry was checked above): they keep their values.
+    options = StateDictOptions(full_state_dict=True, strict=len(state) == len(model.state_dict()))
+    set_model_state_dict(model, state, options=options)
