@@ -1,17 +1,33 @@
 """LoRA on the trainer's model: only the adapters train, PEFT loads what we save with our logits, and the
 merged weights are the adapted model."""
 
+import json
 import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 
 from meshy.dataplane import SchemaError
+from meshy.recipes.weights.pretrained import load_init
+from meshy.train import checkpoint
 from meshy.train.logprobs import forward_logits
-from meshy.train.lora import LoraLinear, apply_lora, merged_state, peft_state_dict, save_adapter
+from meshy.train.lora import (
+    LoraLinear,
+    adapter_tensors,
+    apply_lora,
+    base_tensors,
+    lora_config_of,
+    merged_state,
+    merged_tensors,
+    peft_state_dict,
+    save_adapter,
+)
 from meshy.train.models import get_model
-from meshy.train.parallel import build_model
+from meshy.train.parallel import build_model, load_weights
 from meshy.train.publish import DirectoryPublisher
+from meshy.train.titan_models import state_dict_adapter
 from meshy.train.trainer import PolicyBatch, PolicyTrainer
 from meshy.train.training_config import LoraConfig, LossConfig, OptimConfig, ParallelConfig
 
@@ -186,3 +202,153 @@ def test_a_mixtures_attention_can_be_adapted():
     apply_lora(model, LoraConfig(rank=2, targets=("wq", "wo")))
     assert {name.split(".")[-3] for name in peft_state_dict(model)} == {"q_proj", "o_proj"}
     train(model, arch.vocab_size, steps=1)
+
+
+def hf_weights(model: torch.nn.Module, arch) -> dict[str, torch.Tensor]:
+    """The model's base under HF names, as model.init gives them."""
+    return state_dict_adapter(arch).to_hf(dict(base_tensors(model)))
+
+
+@pytest.mark.parametrize("activation_checkpoint", ["none", "full"])
+def test_build_model_adds_adapters_to_the_base_it_builds_without_them(activation_checkpoint):
+    """The adapters are added before parallelize (here: activation checkpointing wraps the blocks that hold
+    them); the base is what the same seed builds without adapters, the adapters what apply_lora gives it."""
+    arch, config = get_model("qwen3-tiny"), LoraConfig(rank=4, targets=("wq", "wv", "w2"))
+    parallel = ParallelConfig(activation_checkpoint=activation_checkpoint)
+    model, _ = build_model(arch, parallel, device="cpu", seed=3, lora=config)
+    plain, _ = build_model(arch, ParallelConfig(), device="cpu", seed=3)
+    assert lora_config_of(model) == config and lora_config_of(plain) is None
+    base = dict(base_tensors(model))
+    assert base.keys() == plain.state_dict().keys()
+    assert all(torch.equal(base[name], value) for name, value in plain.state_dict().items())
+    merged = dict(merged_tensors(model))
+    assert all(torch.equal(merged[name], value) for name, value in plain.state_dict().items()), "B starts at 0"
+
+    apply_lora(plain, config, seed=3)
+    assert peft_state_dict(model).keys() == peft_state_dict(plain).keys()
+    assert all(torch.equal(a, peft_state_dict(plain)[name]) for name, a in adapter_tensors(model))
+    other, _ = build_model(arch, ParallelConfig(), device="cpu", seed=4, lora=config)
+    a_name = next(name for name in peft_state_dict(model) if name.endswith(".lora_A.weight"))
+    assert not torch.equal(peft_state_dict(other)[a_name], peft_state_dict(model)[a_name]), "A comes from the seed"
+    wq = model.layers["0"].attention.qkv_linear.wq
+    assert (wq.rank, wq.alpha, wq.scale) == (4, config.alpha, config.alpha / 4)
+
+    trained = [peft_state_dict(train(one, arch.vocab_size, steps=2).model) for one in (model, plain)]
+    for name, value in trained[0].items():
+        assert torch.allclose(value, trained[1][name], rtol=1e-5, atol=1e-7), name
+        assert ".lora_A." in name or value.abs().max() > 0, f"{name} did not train"
+
+
+def test_only_the_adapters_hold_optimizer_state():
+    arch = get_model("qwen3-tiny")
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=1, lora=LoraConfig(rank=2))
+    trainer = train(model, arch.vocab_size, steps=2)
+    adapters = [p for name, p in model.named_parameters() if ".lora_" in name]
+    assert len(adapters) == 2 * 4 * arch.num_hidden_layers
+    assert set(map(id, trainer.optimizer.state)) == set(map(id, adapters))
+    assert sum(len(state) for state in trainer.optimizer.state.values()) == 3 * len(adapters)  # step, exp_avg(_sq)
+
+
+def test_hf_weights_load_into_the_base_of_an_adapted_model_and_leave_its_adapters(tmp_path):
+    """load_weights and model.init's load_init: the base into base_layer, the adapters as they were; any
+    other mismatch refused, under the unadapted model's names."""
+    arch = get_model("qwen3-tiny")
+    source, _ = build_model(arch, ParallelConfig(), device="cpu", seed=1)
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=2, lora=LoraConfig(rank=2))
+    train(model, arch.vocab_size, steps=1)
+    adapters = peft_state_dict(model)
+    weights = hf_weights(source, arch)
+    (tmp_path / "config.json").write_text(json.dumps(arch.hf_config("float32")))
+    save_file(weights, tmp_path / "model.safetensors")
+    for load in (lambda: load_weights(model, arch, weights), lambda: load_init(model, arch, str(tmp_path))):
+        model.layers["0"].attention.qkv_linear.wq.base_layer.weight.data.zero_()
+        load()
+        base = dict(base_tensors(model))
+        assert all(torch.equal(base[name], value) for name, value in source.state_dict().items())
+        assert all(torch.equal(value, adapters[name]) for name, value in adapter_tensors(model))
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(SchemaError, match=r"missing \['layers.1.attention.qkv_linear.wk.weight'\], unexpected \[\]"):
+        load_weights(model, arch, weights)
+
+
+def lora_trainer(arch, weights: dict, config: LoraConfig, seed: int) -> PolicyTrainer:
+    model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=seed, lora=config)
+    load_weights(model, arch, weights)
+    return PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none"))
+
+
+def batch(step: int, vocab_size: int) -> PolicyBatch:
+    tokens, mask = tokens_and_mask(vocab_size, seed=step)
+    return PolicyBatch(tokens, mask, torch.tensor([1.0, -1.0, 0.5]))
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
+    """Train 2 steps, checkpoint, 2 more; a trainer built anew (its base from the same weights, other
+    adapters) loads the checkpoint and takes the same 2 steps: identical losses and adapters (with dropout:
+    the generators are restored too)."""
+    arch, config = get_model("qwen3-tiny"), LoraConfig(rank=4, dropout=0.1)
+    weights = hf_weights(build_model(arch, ParallelConfig(), device="cpu", seed=3)[0], arch)
+    trainer = lora_trainer(arch, weights, config, seed=0)
+    for step in range(2):
+        trainer.step(batch(step, arch.vocab_size))
+    path = checkpoint.save(tmp_path, 2, trainer, {"version": 2})
+    trained = [trainer.step(batch(step, arch.vocab_size))["loss"] for step in (2, 3)]
+
+    anew = lora_trainer(arch, weights, config, seed=7)
+    assert checkpoint.load(path, anew) == {"version": 2}
+    assert [anew.step(batch(step, arch.vocab_size))["loss"] for step in (2, 3)] == trained
+    resumed = peft_state_dict(anew.model)
+    assert all(torch.equal(value, resumed[name]) for name, value in adapter_tensors(trainer.model))
+
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = [key for key in entries if key.startswith(("model.", "optim.state."))]
+    assert saved and all(".lora_A." in key or ".lora_B." in key for key in saved), "the adapters and their state only"
+
+
+def test_a_checkpoint_resumes_only_the_model_it_was_saved_from(tmp_path):
+    arch = get_model("qwen3-tiny")
+    weights = hf_weights(build_model(arch, ParallelConfig(), device="cpu", seed=3)[0], arch)
+    lora = checkpoint.save(tmp_path / "lora", 1, lora_trainer(arch, weights, LoraConfig(rank=4), seed=0), {})
+    plain, _ = build_model(arch, ParallelConfig(), device="cpu")
+    full = checkpoint.save(tmp_path / "full", 1, PolicyTrainer(plain, OptimConfig(), LossConfig()), {})
+    for path, trainer, differs in [
+        (
+            lora,
+            lora_trainer(arch, weights, LoraConfig(rank=8), seed=0),
+            "layers.0.attention.qkv_linear.wk.lora_A.weight saved (4, 64), here (8, 64)",
+        ),
+        (lora, lora_trainer(arch, weights, LoraConfig(rank=4, targets=("wq", "wk")), seed=0), "entries differ"),
+        (lora, PolicyTrainer(plain, OptimConfig(), LossConfig()), "weight saved None, here ("),
+        (full, lora_trainer(arch, weights, LoraConfig(rank=4), seed=0), "entries differ"),
+    ]:
+        with pytest.raises(SchemaError, match=f"checkpoint {path}: its model does not fit the trainer's") as error:
+            checkpoint.load(path, trainer)
+        assert differs in str(error.value)
+        assert trainer.steps == 0
+
+
+def test_a_model_is_adapted_once():
+    model, _ = build_model(get_model("qwen3-tiny"), ParallelConfig(), device="cpu", lora=LoraConfig())
+    with pytest.raises(SchemaError, match="apply_lora: the model already has adapters"):
+        apply_lora(model, LoraConfig())
+
+
+@pytest.mark.slow  # torch.compile on the CPU
+def test_compiled_blocks_give_their_adapters_the_gradients_eager_ones_do():
+    arch, config = get_model("qwen3-tiny"), LoraConfig(rank=4, targets=("wq", "wo", "w1"))
+    parallel = ParallelConfig(compile=True, activation_checkpoint="selective")
+    compiled, _ = build_model(arch, parallel, device="cpu", dtype="bfloat16", seed=2, lora=config)
+    eager, _ = build_model(arch, ParallelConfig(), device="cpu", dtype="bfloat16", seed=2, lora=config)
+    tokens, mask = tokens_and_mask(arch.vocab_size)
+    grads = []
+    for model in (compiled, eager):
+        for p in model.parameters():  # B at 0 would give A no gradient
+            if p.requires_grad:
+                p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
+        (forward_logits(model, tokens).float().log_softmax(-1).amax(-1) * mask).sum().backward()
+        names = {name: name.replace("._checkpoint_wrapped_module", "") for name, _ in model.named_parameters()}
+        grads.append({names[name]: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() == {n for n, p in eager.named_parameters() if p.requires_grad}
+    for name, grad in grads[0].items():
+        error = ((grad - grads[1][name]).norm() / grads[1][name].norm()).item()
+        assert error < 0.05, f"{name}: relative error {error:.3f}"
