@@ -35,7 +35,9 @@ class TrainingRole:
         self.device, dtype = torch.device(ctx.slot.device), recipe.model.dtype
         self.turns = DeviceTurns(ctx, lambda _: offload.move(self.trainer, self.device), self._offload)
         with self.turns.turn(BUILD):
-            model, _ = build_model(self.arch, algo.parallel, device=self.device, dtype=dtype, seed=recipe.seed)
+            model, _ = build_model(
+                self.arch, algo.parallel, device=self.device, dtype=dtype, seed=recipe.seed, lora=recipe.model.lora
+            )
             self.trainer = PolicyTrainer(model, algo.optim, algo.loss)
         if recipe.publish is Transport.SHARED_MEMORY:
             publisher = SharedMemoryPublisher(f"meshy-{ctx.run_dir.name}", self.arch, ctx.client, dtype=dtype)
@@ -166,9 +168,12 @@ class TrainingRole:
         """The version to carry on from: the newest checkpoint's (restored into the trainer), or 0 (with
         the recipe's initial weights loaded, unless it starts from scratch). What a stopped run wrote after
         that checkpoint (weights versions, metrics lines) is discarded, so the run continues as if it had
-        never stopped; the restored version is then published again."""
+        never stopped; the restored version is then published again. Under LoRA the checkpoint holds the
+        adapters only: the base is the recipe's initial weights again."""
         resumed = checkpoint.latest(self.ctx.run_dir / "checkpoints")
         if resumed is not None:
+            if self.ctx.recipe.model.lora is not None:  # a LoRA checkpoint holds the adapters, not the base
+                load_init(self.trainer.model, self.arch, self.ctx.recipe.model.init)
             cursors = checkpoint.load(resumed, self.trainer)
             version = cursors["version"]
             self.service.best_reward = cursors.get("best_reward", -math.inf)  # checkpoints before it: unknown
