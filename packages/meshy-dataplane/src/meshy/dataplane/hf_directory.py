@@ -1,4 +1,5 @@
-"""The one reader of a Hugging Face model directory: config.json and *.safetensors, sharded or not.
+"""The one reader of a Hugging Face model directory (config.json and *.safetensors, sharded or not) and of a
+PEFT adapter directory (adapter_config.json and adapter_model.safetensors, as peft's save_pretrained writes it).
 
 Every problem raises SchemaError naming the file (or tensor) and what was expected, so the engines, the
 trainer's init and the published-weights reader all refuse a bad directory the same way. Lives in the
@@ -17,6 +18,8 @@ from meshy.dataplane.errors import SchemaError
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,7 @@ class HFDirectory:
         """(HF name, tensor on the host) for every tensor, one at a time (a caller that digests them
         need not hold the whole model)."""
         for shard, names in self._names():
-            with _opened(shard) as tensors:
-                for name in names:
-                    try:
-                        tensor = tensors.get_tensor(name)
-                    except Exception as e:  # safetensors' own error types: data cut short, bad offsets
-                        raise SchemaError(f"model source {shard}: tensor {name} is unreadable ({e})") from None
-                    yield name, tensor
+            yield from _tensors_of(shard, names)
 
     def read(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """(config.json as a dict, HF name -> tensor) of the whole model."""
@@ -86,6 +83,34 @@ class HFDirectory:
         if (self.path / INDEX).is_file():
             _check_index(self.path / INDEX, {name: shard.name for name, shard in held.items()})
         return listing
+
+
+@dataclass(frozen=True)
+class AdapterDirectory:
+    """A PEFT adapter directory checked to hold adapter_config.json and adapter_model.safetensors."""
+
+    path: Path
+
+    @classmethod
+    def open(cls, directory: str | Path) -> "AdapterDirectory":
+        path = Path(directory)
+        for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            if not (path / file).is_file():
+                raise SchemaError(
+                    f"adapter source {path}: no {file}; expected a PEFT adapter directory with {ADAPTER_CONFIG} and "
+                    f"{ADAPTER_WEIGHTS}"
+                )
+        return cls(path)
+
+    def config(self) -> dict:
+        return read_config(self.path / ADAPTER_CONFIG)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(PEFT name, tensor on the host) for every adapter tensor, one at a time."""
+        shard = self.path / ADAPTER_WEIGHTS
+        with _opened(shard) as tensors:
+            names = list(tensors.keys())
+        yield from _tensors_of(shard, names)
 
 
 def read_config(path: Path) -> dict:
@@ -115,6 +140,16 @@ def check_tensor_shapes(
             raise SchemaError(
                 f"{what}: tensor {name} has shape {tuple(shapes[name])}, expected {tuple(expected[name])}"
             )
+
+
+def _tensors_of(shard: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    with _opened(shard) as tensors:
+        for name in names:
+            try:
+                tensor = tensors.get_tensor(name)
+            except Exception as e:  # safetensors' own error types: data cut short, bad offsets
+                raise SchemaError(f"model source {shard}: tensor {name} is unreadable ({e})") from None
+            yield name, tensor
 
 
 def _opened(shard: Path):

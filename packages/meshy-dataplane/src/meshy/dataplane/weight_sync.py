@@ -29,17 +29,20 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane import weight_delta
+from meshy.dataplane.adapters import is_adapter_tensor
 from meshy.dataplane.errors import SchemaError, WeightSyncError
 from meshy.dataplane.weights import (
     BucketLayout,
     CorruptWeights,
     Published,
     Transport,
+    check_base,
     check_checksum,
+    check_held_base,
     combine_digests,
     digest_later,
+    tensor_digest,
     unpack_buckets,
-    verify,
 )
 
 STORE_PREFIX = "meshy/weight-sync"
@@ -112,13 +115,19 @@ class WeightSyncGroup:
         for i, buffer in enumerate(buffers.values()):
             self._broadcast(buffer, f"v{published.version} bucket {i + 1}/{len(buffers)}")
 
-    def receive(self, published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(config.json, HF name -> tensor) of an announced version, after verifying its checksum
+    def receive(self, published: Published, held_base: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(config.json, name -> tensor) of an announced version, after verifying its checksum
         (CorruptWeights if it does not match, or if it is a delta on a version this member does not hold:
         then the next full version puts it back on track).
 
+        An adapter version carries its adapters, and its base's HF tensors when it is the publisher's first
+        or one an engine asked for whole (checked against Adapter.base); an adapter-only version is
+        CorruptWeights naming the base unless `held_base` is its Adapter.base (the caller's engine holds it).
+        Either way every version is received: the broadcast needs every member.
+
         The tensors are views into this member's buffers, valid until the next receive: a whole version
-        is received into the same buffers every time, and a delta is applied to them in place."""
+        is received into the same buffers every time (planned again when its layout changes, as between an
+        adapter version with its base and one without), and a delta is applied to them in place."""
         if published.transport is not Transport.COLLECTIVE:
             raise SchemaError(
                 f"weights v{published.version}: {published.transport} version: expected {Transport.COLLECTIVE}"
@@ -133,16 +142,22 @@ class WeightSyncGroup:
         buffers = self._buffers if delta is None else layout.allocate()
         tensors, digests = self._receive_buckets(published.version, layout, buffers, digest=delta is None)
         if delta is None:
-            check_checksum(published, combine_digests({name: d.result() for name, d in digests.items()}))
+            digests = {name: d.result() for name, d in digests.items()}
+            check_checksum(published, combine_digests(digests))
         else:
             if delta["base"] != held:
                 raise CorruptWeights(
                     f"weights v{published.version}: a delta on v{delta['base']}, and this engine holds "
                     f"v{held}; it waits for the next full version"
                 )
-            tensors = weight_delta.apply(published.version, tensors, self._base, delta)
-            verify(published, tensors)
+            # the tensors the delta names: an adapter delta's base version may have carried the base too
+            base = {name: self._base[name] for name in delta["names"] if name in self._base}
+            tensors = weight_delta.apply(published.version, tensors, base, delta)
+            digests = {name: tensor_digest(t) for name, t in tensors.items()}
+            check_checksum(published, combine_digests(digests))
         self._base, self._base_version = tensors, published.version
+        if published.adapter is not None:
+            _check_adapter_base(published, digests, held_base)
         return meta["config"], tensors
 
     def _receive_buckets(
@@ -169,3 +184,12 @@ class WeightSyncGroup:
                 f"weight-sync group rank {self.rank} of {self.size}: broadcast of {what} failed "
                 f"(a member died, or did not join within {self.timeout_s:.0f} s): {e}"
             ) from None
+
+
+def _check_adapter_base(published: Published, digests: Mapping[str, bytes], held_base: str | None) -> None:
+    """An adapter version's base: the one it carries must be Adapter.base; without one, the caller must hold it."""
+    base = {name: digest for name, digest in digests.items() if not is_adapter_tensor(name)}
+    if base:
+        check_base(published, combine_digests(base))
+    else:
+        check_held_base(published, held_base)

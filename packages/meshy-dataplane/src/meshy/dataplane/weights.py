@@ -7,6 +7,11 @@ checksum before they return anything, so a truncated or corrupted version is ref
 
 Buckets (shared memory, collective) are flat byte buffers; the announcement's manifest says where each
 tensor lies in which bucket (name, dtype, shape, bucket, offset, nbytes).
+
+A LoRA version (Published.adapter: meshy.dataplane.adapters) is its adapters; its base is kept once where the
+transport keeps it (`<root>/base` beside the version directories; shared-memory buckets of its own, described
+under "base" in each version's location) or carried by the collective versions that need it, and is checked
+against Adapter.base whenever it is read.
 """
 
 import contextlib
@@ -18,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import torch
 import xxhash
@@ -25,9 +31,10 @@ import xxhash
 from meshy.dataplane.adapters import Adapter
 from meshy.dataplane.devices import HOST
 from meshy.dataplane.errors import DataPlaneError, SchemaError
-from meshy.dataplane.hf_directory import HFDirectory
+from meshy.dataplane.hf_directory import ADAPTER_CONFIG, AdapterDirectory, HFDirectory
 
 WEIGHTS_STREAM = "weights"
+BASE = "base"  # a LoRA publisher's base directory, beside its versions' directories
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _BUCKET_DTYPES = {**DTYPES, "int32": torch.int32}  # a delta's indices travel in buckets too
 
@@ -173,34 +180,110 @@ def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     return combine_digests({name: tensor_digest(t) for name, t in tensors.items()})
 
 
-def read_published(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json as a dict, HF name -> tensor) of a version, after verifying its checksum."""
+def read_published(published: Published, held_base: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, name -> tensor) of a version, after verifying its checksum.
+
+    An adapter version's tensors are its adapters (PEFT names) and its base's HF-named tensors, read from where
+    the base is kept (`<root>/base` beside a directory; its own buckets in shared memory) and verified against
+    Adapter.base, unless `held_base` is that checksum: the reader holds the base already."""
     if published.transport is Transport.DISK:
         with _corrupt_if_unreadable(published):
+            if published.adapter is not None:
+                return _read_adapter_directory(published, held_base)
             directory = HFDirectory.open(published.location)
             tensors = dict(directory.tensors())
             check_checksum(published, tensors_checksum(tensors))
             return directory.config(), tensors  # config.json is not covered by the checksum
     if published.transport is Transport.SHARED_MEMORY:
-        return _read_shared_memory(published)
+        return _read_shared_memory(published, held_base)
     raise SchemaError(
         f"weights v{published.version}: {published.transport} versions are not read but received on the "
         "weight-sync group (meshy.dataplane.weight_sync)"
     )
 
 
-def verify_published(published: Published) -> tuple[HFDirectory, dict, dict[str, tuple[int, ...]]]:
+def base_directory(published: Published) -> Path:
+    """Where a disk adapter version's base is kept: `<root>/base`, beside the version's directory."""
+    return Path(published.location).parent / BASE
+
+
+def verify_published(
+    published: Published, held_base: str | None = None
+) -> tuple[HFDirectory, dict, dict[str, tuple[int, ...]]]:
     """A published directory's (directory, config.json, tensor shapes), after checking its tensors against
-    the announced checksum. Holds one tensor at a time (read_published holds the whole model)."""
+    the announced checksum. Holds one tensor at a time (read_published holds the whole model).
+
+    For an adapter version: its base's (directory, config.json, tensor shapes), after checking the adapters
+    against the version's checksum and the base against Adapter.base (unless `held_base` is that checksum)."""
     if published.transport is not Transport.DISK:
         raise SchemaError(f"weights v{published.version}: {published.transport} version: expected a directory")
     with _corrupt_if_unreadable(published):
-        directory = HFDirectory.open(published.location)
-        digests, shapes = {}, {}
-        for name, tensor in directory.tensors():
-            digests[name], shapes[name] = tensor_digest(tensor), tuple(tensor.shape)
-        check_checksum(published, combine_digests(digests))
-        return directory, directory.config(), shapes
+        if published.adapter is None:
+            directory = HFDirectory.open(published.location)
+            checksum, shapes = directory_checksum(directory.tensors())
+            check_checksum(published, checksum)
+            return directory, directory.config(), shapes
+        adapters = AdapterDirectory.open(published.location)
+        _check_adapter_config(published, adapters.config())
+        check_checksum(published, directory_checksum(adapters.tensors())[0])
+        base = HFDirectory.open(base_directory(published))
+        if held_base == published.adapter.base:
+            return base, base.config(), base.shapes()
+        checksum, shapes = directory_checksum(base.tensors())
+        check_base(published, checksum)
+        return base, base.config(), shapes
+
+
+def directory_checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """(checksum, shapes) of tensors read one at a time (none is held past its digest)."""
+    digests, shapes = {}, {}
+    for name, tensor in tensors:
+        digests[name], shapes[name] = tensor_digest(tensor), tuple(tensor.shape)
+    return combine_digests(digests), shapes
+
+
+def _read_adapter_directory(published: Published, held_base: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    adapters = AdapterDirectory.open(published.location)
+    _check_adapter_config(published, adapters.config())
+    tensors = dict(adapters.tensors())
+    check_checksum(published, tensors_checksum(tensors))
+    base = HFDirectory.open(base_directory(published))
+    if held_base != published.adapter.base:
+        base_tensors = dict(base.tensors())
+        check_base(published, tensors_checksum(base_tensors))
+        tensors = {**base_tensors, **tensors}
+    return base.config(), tensors
+
+
+def _check_adapter_config(published: Published, config: dict) -> None:
+    """The adapter_config.json a PEFT user loads (outside the checksum) must say what the version announced."""
+    expected = published.adapter.peft_config("")
+    for key in ("r", "lora_alpha", "target_modules"):
+        if config.get(key) != expected[key]:
+            raise CorruptWeights(
+                f"weights v{published.version} at {published.location}: {ADAPTER_CONFIG} has {key} "
+                f"{config.get(key)!r}, the announcement {expected[key]!r}"
+            )
+
+
+def check_base(published: Published, checksum: str) -> None:
+    """CorruptWeights unless `checksum` (of the base's tensors as read) is the announced Adapter.base."""
+    if checksum != published.adapter.base:
+        where = (
+            f"at {base_directory(published)}" if published.transport is Transport.DISK else f"({published.transport})"
+        )
+        raise CorruptWeights(
+            f"weights v{published.version}: its base {where}: checksum mismatch (announced: {published.adapter.base})"
+        )
+
+
+def check_held_base(published: Published, held_base: str | None) -> None:
+    """CorruptWeights naming both bases unless the reader holds the base an adapter-only version applies onto."""
+    if held_base != published.adapter.base:
+        raise CorruptWeights(
+            f"weights v{published.version}: adapters on base {published.adapter.base}, and this engine holds "
+            f"{'no base' if held_base is None else f'base {held_base}'}; it needs a version that carries the base"
+        )
 
 
 @contextlib.contextmanager
@@ -329,13 +412,21 @@ def unpack_buckets(manifest: list, buffers: Mapping[str, torch.Tensor], copy: bo
     return tensors
 
 
-def verify(published: Published, tensors: Mapping[str, torch.Tensor]) -> None:
-    """CorruptWeights unless `tensors` are the version `published` announced."""
-    check_checksum(published, tensors_checksum(tensors))
-
-
-def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Tensor]]:
+def _read_shared_memory(published: Published, held_base: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
     meta = json.loads(published.location)
+    tensors = _read_buckets(published, meta)
+    check_checksum(published, tensors_checksum(tensors))
+    if published.adapter is not None and held_base != published.adapter.base:
+        if "base" not in meta:
+            raise CorruptWeights(f"weights v{published.version}: an adapter version whose location has no base")
+        base = _read_buckets(published, meta["base"])
+        check_base(published, tensors_checksum(base))
+        tensors = {**base, **tensors}
+    return meta["config"], tensors
+
+
+def _read_buckets(published: Published, meta: dict) -> dict[str, torch.Tensor]:
+    """Copies of the tensors `meta` (its buckets' sizes and manifest) lays out in shared memory."""
     try:
         buckets = {name: shared_memory.SharedMemory(name=name) for name in meta["buckets"]}
     except FileNotFoundError as e:
@@ -346,9 +437,7 @@ def _read_shared_memory(published: Published) -> tuple[dict, dict[str, torch.Ten
             for name, shm in buckets.items()
         }
         try:
-            tensors = unpack_buckets(meta["tensors"], buffers)
-            verify(published, tensors)
-            return meta["config"], tensors
+            return unpack_buckets(meta["tensors"], buffers)
         finally:
             del buffers  # no view of a bucket may outlive it (buckets get unlinked)
     finally:
