@@ -12,26 +12,91 @@ import asyncio
 import functools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from meshy.dataplane import SchemaError
+from meshy.dataplane.adapters import Adapter, adapter_names, split_version
+from meshy.dataplane.weights import CorruptWeights, tensors_checksum
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, SamplingParams, WeightsSource
 
 TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
+class Update:
+    """A version to update to: `update_weights(version, source, adapter)`."""
+
+    version: int
+    source: WeightsSource
+    adapter: Adapter | None = None
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA versions on one base, as the collective delivers them (in-memory tensors, with the announcement's
+    Adapter): `with_base` carries the base and adapters; `adapters_only` other adapters (nonzero B) on that
+    base, without it; `merged` the whole model that `adapters_only` makes of the base (no adapters); `foreign`
+    adapters on another base. `lora_spec` builds them from a base's HF tensors."""
+
+    with_base: Update
+    adapters_only: Update
+    merged: Update
+    foreign: Update
+
+
+@dataclass(frozen=True)
 class EngineSpec:
-    """What the cases need to know about the engine under test: its vocabulary, its max_len, and a
-    second weights version (with other outputs) to update to."""
+    """What the cases need to know about the engine under test: its vocabulary, its max_len, a second
+    weights version (with other outputs) to update to, and LoRA versions if the engine applies adapters
+    (the LoRA cases are skipped without)."""
 
     vocab_size: int
     max_len: int
     new_version: int
     new_weights: WeightsSource
+    lora: LoraSpec | None = None
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_adapters(base: dict[str, torch.Tensor], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """Adapters under PEFT's names for every LORA_TARGETS projection of `base`, B nonzero."""
+    generator = torch.Generator().manual_seed(seed)
+    adapters = {}
+    for name, weight in base.items():
+        if name.split(".")[-2] in LORA_TARGETS:
+            a_name, b_name = adapter_names(name)
+            out, size = weight.shape
+            adapters[a_name] = torch.randn(rank, size, generator=generator, dtype=weight.dtype) / size**0.5
+            adapters[b_name] = torch.randn(out, rank, generator=generator, dtype=weight.dtype) * 0.1
+    return adapters
+
+
+def merged_weights(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> dict:
+    """`base` with every adapter merged in (W + scale * B A, in float32)."""
+    _, pairs = split_version(adapters)
+    merged = dict(base)
+    for name, (a, b) in pairs.items():
+        merged[name] = (base[name].float() + scale * (b.float() @ a.float())).to(base[name].dtype)
+    return merged
+
+
+def lora_spec(base: dict[str, torch.Tensor], other_base: dict[str, torch.Tensor], first_version: int) -> LoraSpec:
+    """LoRA versions first_version.. on `base` (rank 4, alpha 8), the foreign one on `other_base`."""
+    checksum = tensors_checksum(base)
+    adapter = Adapter(rank=4, alpha=8.0, target_modules=LORA_TARGETS, base=checksum)
+    first, second = random_adapters(base, 4, seed=1), random_adapters(base, 4, seed=2)
+    foreign = replace(adapter, base=tensors_checksum(other_base))
+    return LoraSpec(
+        with_base=Update(first_version, {**base, **first}, adapter),
+        adapters_only=Update(first_version + 1, second, adapter),
+        merged=Update(first_version + 2, merged_weights(base, second, adapter.scale)),
+        foreign=Update(first_version + 3, random_adapters(other_base, 4, seed=3), foreign),
+    )
 
 
 def async_case(case):
@@ -120,6 +185,16 @@ def bad_inputs(vocab: int, max_len: int) -> dict[str, tuple[str, tuple, str]]:
 
 
 BAD_INPUTS = sorted(bad_inputs(vocab=512, max_len=96))  # the case names, the same for every engine
+
+
+def lora_or_skip(spec: EngineSpec) -> LoraSpec:
+    if spec.lora is None:
+        pytest.skip("the engine's spec has no LoRA versions")
+    return spec.lora
+
+
+def max_difference(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 class EngineConformance:
@@ -315,6 +390,70 @@ class EngineConformance:
         assert (await running).output_ids == reference.output_ids
         assert (await later).output_ids == later_reference.output_ids
         assert (await scoring).token_logprobs == pytest.approx(scored.token_logprobs, abs=TOLERANCE)
+
+    # LoRA: a version's adapters apply onto the base the engine holds, without reloading it. SGLangEngine
+    # runs these through SGLang's LoRA support (a real SGLang, not the CPU tier's stub).
+
+    @async_case
+    async def test_lora_adapters_apply_onto_their_base_as_their_merged_weights(self, engine, engine_spec):
+        lora = lora_or_skip(engine_spec)
+        ids = prompt(16, vocab_size=engine_spec.vocab_size)
+        sequence = ids + (await engine.generate("g", ids, greedy(12))).output_ids
+        full = await engine.score(sequence)
+        scored = {}
+        for name in ("with_base", "adapters_only", "merged", "with_base_again"):
+            update = getattr(lora, name.removesuffix("_again"))
+            await engine.update_weights(update.version, update.source, update.adapter)
+            assert engine.weight_version == update.version
+            scored[name] = (await engine.score(sequence)).token_logprobs
+        # merged: a whole version drops the adapters (else they would apply twice)
+        assert scored["adapters_only"] == pytest.approx(scored["merged"], abs=TOLERANCE)
+        assert scored["with_base_again"] == pytest.approx(scored["with_base"], abs=TOLERANCE)
+        assert max_difference(scored["with_base"], scored["adapters_only"]) > 1e-2, "the adapters change the model"
+        assert max_difference(scored["with_base"], full.token_logprobs) > 1e-2
+
+    @async_case
+    async def test_lora_adapters_switched_mid_generation_keep_each_tokens_version(self, engine, engine_spec):
+        lora = lora_or_skip(engine_spec)
+        first, second = lora.with_base, lora.adapters_only
+        await engine.update_weights(first.version, first.source, first.adapter)
+        ids = prompt(17, vocab_size=engine_spec.vocab_size)
+        budget = engine_spec.max_len - len(ids)
+        reference = await engine.generate("ref", ids, greedy(budget))
+        task = asyncio.create_task(engine.generate("long", ids, greedy(budget)))
+        await probe(engine)
+        await engine.pause()
+        await engine.update_weights(second.version, second.source, second.adapter)
+        await engine.resume()
+        result = await task
+        switch = result.token_versions.index(second.version)
+        assert result.token_versions == [first.version] * switch + [second.version] * (budget - switch)
+        assert 0 < switch < budget and result.output_ids[:switch] == reference.output_ids[:switch]
+        fresh = await engine.generate("fresh", ids, greedy(budget))
+        assert fresh.output_ids != reference.output_ids and fresh.token_versions == [second.version] * budget
+        scores = await engine.score(ids + fresh.output_ids, start=len(ids) - 1)
+        assert scores.token_logprobs == pytest.approx(fresh.logprobs, abs=TOLERANCE)
+
+    @async_case
+    async def test_lora_adapters_on_a_base_the_engine_does_not_hold_are_refused(self, engine, engine_spec):
+        """CorruptWeights naming both bases (the inference service then asks for a version with its base);
+        the engine goes on with what it had."""
+        lora = lora_or_skip(engine_spec)
+        ids = prompt(18, vocab_size=engine_spec.vocab_size)
+        only, held, foreign = lora.adapters_only, lora.with_base.adapter.base, lora.foreign.adapter.base
+        for before, update, error in [
+            (None, only, f"adapters on the base {held}, but the engine holds no LoRA base"),
+            (lora.with_base, lora.foreign, f"adapters on the base {foreign}, but the engine holds the base {held}"),
+            (lora.merged, only, f"adapters on the base {held}, but the engine holds no LoRA base"),
+        ]:
+            if before is not None:
+                await engine.update_weights(before.version, before.source, before.adapter)
+            version, reference = engine.weight_version, await engine.generate("ref", ids, greedy(8))
+            with pytest.raises(CorruptWeights, match=f"v{update.version}: {error}"):
+                await engine.update_weights(update.version, update.source, update.adapter)
+            after = await engine.generate("after", ids, greedy(8))
+            assert engine.weight_version == version and after.output_ids == reference.output_ids
+            assert after.logprobs == pytest.approx(reference.logprobs, abs=TOLERANCE)
 
     @async_case
     async def test_close_ends_pending_generations_as_aborted(self, engine, engine_spec):

@@ -1,6 +1,8 @@
 import asyncio
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from meshy.dataplane import SchemaError, free_bytes
+from meshy.dataplane.adapters import adapter_names
 from meshy.dataplane.model_source import read_model
 from meshy.dataplane.weights import CorruptWeights, read_published
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineClosed, SamplingParams
@@ -18,11 +21,12 @@ from meshy.infer.slot_state import HELD, POSITION
 from meshy.infer.torch_engine import ADMISSION_SHARE, TorchEngine, _Request, _Scheduler
 from meshy.infer.torch_model import DecoderModel, ModelConfig, load_model
 from meshy.train.logprobs import forward_logits, token_logprobs
+from meshy.train.lora import peft_state_dict
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher, hf_tensors
-from meshy.train.training_config import ParallelConfig
-from tests.infer.conformance import EngineConformance, EngineSpec, async_case, greedy, prompt
+from meshy.train.training_config import LoraConfig, ParallelConfig
+from tests.infer.conformance import EngineConformance, EngineSpec, LoraSpec, async_case, greedy, lora_spec, prompt
 
 ARCH = get_model("qwen3-tiny")
 MAX_LEN = 96
@@ -48,9 +52,19 @@ def engine(weights):
     asyncio.run(engine.close())
 
 
+def lora_updates() -> LoraSpec:
+    """The conformance cases' LoRA versions: v10 on sharp_weights(0), with its base, v11 without."""
+    return lora_spec(sharp_weights(0), sharp_weights(1), first_version=10)
+
+
+@pytest.fixture(scope="module")
+def lora() -> LoraSpec:
+    return lora_updates()
+
+
 @pytest.fixture
-def engine_spec(weights):
-    return EngineSpec(vocab_size=ARCH.vocab_size, max_len=MAX_LEN, new_version=2, new_weights=weights[2])
+def engine_spec(weights, lora):
+    return EngineSpec(vocab_size=ARCH.vocab_size, max_len=MAX_LEN, new_version=2, new_weights=weights[2], lora=lora)
 
 
 class TestTorchEngineConformance(EngineConformance):
@@ -596,3 +610,114 @@ def test_a_compiled_engine_on_a_host_without_a_cxx_compiler_runs_eagerly_and_say
     assert ids == eager_ids and logprobs == pytest.approx(eager_logprobs, abs=1e-6)
     assert {f.split(" failed")[0] for f in failures} == {"torch.compile of decode", "torch.compile of sample"}
     assert all("no-such-compiler" in f for f in failures), failures
+
+
+EVERY_PROJECTION = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def adapted_model(name: str, seed: int) -> torch.nn.Module:
+    """The trainer's model with adapters on every projection, B nonzero (new adapters change nothing)."""
+    lora = LoraConfig(rank=4, alpha=8.0, targets=EVERY_PROJECTION)
+    model, _ = build_model(get_model(name), ParallelConfig(), device="cpu", seed=seed, lora=lora)
+    nudge_adapters(model, seed)
+    return model
+
+
+def nudge_adapters(model: torch.nn.Module, seed: int) -> None:
+    """New values for every lora_B, as a training step would give them."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def trainer_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return token_logprobs(forward_logits(model, tokens), tokens)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "minicpm5-tiny"])
+@async_case
+async def test_lora_versions_score_the_trainers_logprobs_and_update_without_the_base(name, tmp_path):
+    """In float32, as exact as whole versions (1e-5): the engine built from the first LoRA version (base and
+    adapters), then updated with adapter-only versions, published and in memory (as received)."""
+    model = adapted_model(name, seed=3)
+    publisher = DirectoryPublisher(tmp_path, get_model(name), dtype="float32", keep=4)
+    first = publisher.publish(model, 1)
+    assert first.adapter is not None and first.adapter.rank == 4
+    engine = TorchEngine(first)
+    assert engine.lora_base == first.adapter.base
+    tokens = torch.randint(0, 512, (3, 33), generator=torch.Generator().manual_seed(0))
+    assert (await scores(engine, tokens) - trainer_logprobs(model, tokens)).abs().max().item() <= 1e-5
+    shutil.rmtree(first.location)  # as the eval role discards each version it evaluated: the base stays
+    for version in (2, 3):
+        nudge_adapters(model, seed=version)
+        published = publisher.publish(model, version)
+        source = published if version == 2 else dict(peft_state_dict(model))
+        await engine.update_weights(version, source, None if version == 2 else published.adapter)
+        assert engine.weight_version == version and engine.lora_base == first.adapter.base
+        assert (await scores(engine, tokens) - trainer_logprobs(model, tokens)).abs().max().item() <= 1e-5
+    await engine.close()
+
+
+@async_case
+async def test_lora_in_bfloat16_stays_as_close_to_the_trainer_as_whole_versions(tmp_path):
+    """bfloat16 engines against the float32 trainer: a LoRA version (base and adapters published in bfloat16,
+    merged by the engine) is no further from the trainer than the same model published whole (merged by
+    the trainer) and loaded in bfloat16, give or take bfloat16's rounding, and within 0.02 in logprob
+    (measured: 3.1e-3, and 2.5e-3 whole)."""
+    model = adapted_model("qwen3-tiny", seed=4)
+    arch = get_model("qwen3-tiny")
+    lora = DirectoryPublisher(tmp_path / "lora", arch, dtype="bfloat16").publish(model, 1)
+    whole = DirectoryPublisher(tmp_path / "whole", arch, dtype="bfloat16", adapters=False).publish(model, 1)
+    assert lora.adapter is not None and whole.adapter is None
+    tokens = torch.randint(0, 512, (3, 33), generator=torch.Generator().manual_seed(1))
+    expected = trainer_logprobs(model, tokens)
+    errors = []
+    for published in (lora, whole):
+        engine = TorchEngine(published, dtype="bfloat16")
+        errors.append((await scores(engine, tokens) - expected).abs().max().item())
+        await engine.close()
+    assert 0 < errors[0] <= 0.02 and errors[0] <= 2 * errors[1], errors
+
+
+@async_case
+async def test_lora_sources_that_do_not_fit_are_refused_and_change_nothing(weights, lora):
+    config, _, _ = weights
+    first, only = lora.with_base, lora.adapters_only
+    with pytest.raises(SchemaError, match="a LoRA version without its base"):
+        TorchEngine((config, only.source), adapter=only.adapter)
+    with pytest.raises(SchemaError, match="unexpected tensor base_model.model.model.layers"):
+        TorchEngine((config, first.source))  # adapters, but no Adapter to say how they apply
+    engine = TorchEngine((config, first.source), adapter=first.adapter, version=first.version)
+    assert engine.lora_base == first.adapter.base
+    ids = prompt(31)
+    before = await engine.generate("a", ids, greedy(6))
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    a_name, b_name = adapter_names(q_proj)
+    embed_a, embed_b = adapter_names("model.embed_tokens.weight")
+    for source, error in [
+        ({**only.source, b_name: only.source[b_name][:-1]}, rf"adapters for {q_proj}: A \(4, 64\) and B \(63, 4\)"),
+        ({**only.source, embed_a: torch.ones(4, 64), embed_b: torch.ones(512, 4)}, "no such projection"),
+        ({k: v for k, v in only.source.items() if k != a_name}, f"{b_name}.*lora_A half is missing"),
+    ]:
+        with pytest.raises(SchemaError, match=error):
+            await engine.update_weights(only.version, source, only.adapter)
+    after = await engine.generate("b", ids, greedy(6))
+    assert engine.weight_version == first.version and after.output_ids == before.output_ids
+    assert after.logprobs == pytest.approx(before.logprobs, abs=1e-6)
+    await engine.close()
+
+
+@async_case
+async def test_a_published_lora_version_s_adapter_is_its_own(tmp_path):
+    model = adapted_model("qwen3-tiny", seed=5)
+    published = DirectoryPublisher(tmp_path, get_model("qwen3-tiny"), dtype="float32").publish(model, 1)
+    other = dataclasses.replace(published.adapter, rank=8)
+    with pytest.raises(SchemaError, match="adapter: .* given for published version 1, which has"):
+        TorchEngine(published, adapter=other)
+    engine = TorchEngine(published)
+    with pytest.raises(SchemaError, match="adapter: .* given for published version 1, which has"):
+        await engine.update_weights(1, published, other)
+    await engine.close()

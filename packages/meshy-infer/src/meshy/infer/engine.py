@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshy.dataplane import SchemaError
+from meshy.dataplane.adapters import Adapter
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weights import Published
 
@@ -90,12 +91,14 @@ class Engine(abc.ABC):
     `vocab_size` and `max_len` (the most tokens of prompt + output) bound every input: `generate` and
     `score` check theirs here, for every engine, before the engine's `_generate` / `_score` sees them.
     `records_routing`: every Generation carries routed_experts (a mixture-of-experts model on an engine
-    that records its routing)."""
+    that records its routing). `lora_base`: the checksum of the LoRA base the engine holds (Adapter.base of
+    the last version that carried one; None after a whole version)."""
 
     weight_version: int
     vocab_size: int
     max_len: int
     records_routing: bool = False
+    lora_base: str | None = None
 
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
         """Generate a continuation; returns when it finishes (stop, length or abort)."""
@@ -158,8 +161,14 @@ class Engine(abc.ABC):
         """Continue after `pause`."""
 
     @abc.abstractmethod
-    async def update_weights(self, version: int, source: WeightsSource) -> None:
-        """Load a published version (verified) or in-memory HF-named tensors between decode steps."""
+    async def update_weights(self, version: int, source: WeightsSource, adapter: Adapter | None = None) -> None:
+        """Load a published version (verified) or in-memory HF-named tensors between decode steps.
+
+        A LoRA version (meshy.dataplane.adapters) has an Adapter: a Published's own, else `adapter`, the
+        announcement's for tensors received on the weight-sync group. Its adapters apply onto the base the
+        version carries, which replaces the engine's, or else onto the base the engine holds (`lora_base`);
+        adapters on a base the engine does not hold raise CorruptWeights naming both, and the engine goes on
+        with what it had. A whole version (no Adapter) drops any adapters."""
 
     @abc.abstractmethod
     async def release(self) -> None:

@@ -31,8 +31,9 @@ from functools import partial
 import torch
 
 from meshy.dataplane import HOST, SchemaError, free_bytes, free_cached
+from meshy.dataplane.adapters import Adapter, split_version
 from meshy.dataplane.model_source import ModelSource, read_model
-from meshy.dataplane.weights import DTYPES, Published, read_published
+from meshy.dataplane.weights import DTYPES, CorruptWeights, Published, read_published
 from meshy.infer import sampling
 from meshy.infer.engine import (
     FINISH_ABORT,
@@ -129,6 +130,17 @@ class _CompiledOrEager:
         return self.fn(*args)
 
 
+def _adapter_of(source: object, adapter: Adapter | None) -> Adapter | None:
+    """A source's adapters: a Published's own (`adapter`, if given, must be those), else `adapter`."""
+    if not isinstance(source, Published):
+        return adapter
+    if adapter is not None and adapter != source.adapter:
+        raise SchemaError(
+            f"adapter: {adapter} given for published version {source.version}, which has {source.adapter}"
+        )
+    return source.adapter
+
+
 def _int64_seed(seed: int) -> int:
     """A seed as the int64 with the same low 64 bits (the sampler hashes 64 bits of it)."""
     seed %= 1 << 64
@@ -151,12 +163,14 @@ def _check_fits(
     max_len: int,
     device: torch.device,
     dtype: torch.dtype,
+    adapted: Sequence[str] = (),
 ) -> None:
-    """SchemaError, before anything is allocated, if the weights and a KV cache of max_running requests of
-    max_len tokens cannot fit what `device` has free (the cache is allocated whole, at start)."""
+    """SchemaError, before anything is allocated, if the weights (and the base weights that adapters merged
+    into them keep aside, `adapted`) and a KV cache of max_running requests of max_len tokens cannot fit
+    what `device` has free (the cache is allocated whole, at start)."""
     free = free_bytes(device)
     cache = KVCache.nbytes(config, max_running, max_len, dtype)
-    weights = sum(t.numel() for t in tensors.values()) * dtype.itemsize
+    weights = sum(t.numel() for t in [*tensors.values(), *(tensors[name] for name in adapted)]) * dtype.itemsize
     if free is not None and cache + weights > free:
         gib = 1 << 30
         raise SchemaError(
@@ -196,6 +210,7 @@ class _Scheduler:
             self.sample = _CompiledOrEager(sampling.sample, self.compile_failures)
         self.max_running, self.max_len = max_running, max_len
         self.version = version
+        self.base: str | None = None  # the checksum of the LoRA base held (Adapter.base), if any
         self.graphs = device.type == "cuda" and not config.moe  # routing reads expert ids on the host
         self.graph_failure: str | None = None  # why decode runs eagerly on CUDA, if capture failed
         self.waiting: deque[_Request] = deque()
@@ -429,8 +444,22 @@ class _Scheduler:
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
 
-    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.model.load_weights(tensors)  # in place: the decode graphs keep reading the same parameters
+    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor], adapter: Adapter | None) -> None:
+        """A version's weights, in place (the decode graphs keep reading the same parameters): a whole model
+        drops any adapters; a LoRA version's adapters apply onto the base it carries, or else onto the one
+        held, which must be the base they were trained on (CorruptWeights otherwise)."""
+        base, adapters = split_version(tensors) if adapter is not None else (tensors, {})
+        if adapter is not None and not base and adapter.base != self.base:
+            held = f"the base {self.base}" if self.base else "no LoRA base (its weights are a whole version's)"
+            raise CorruptWeights(
+                f"weights v{version}: adapters on the base {adapter.base}, but the engine holds {held}; expected "
+                "a version that carries its base"
+            )
+        self.model.check_adapters(adapters)
+        if base or adapter is None:
+            self.model.load_weights(base)
+            self.base = None if adapter is None else adapter.base
+        self.model.set_adapters(adapters, adapter.scale if adapter is not None else 1.0)
         self.version = version
 
     def score(self, input_ids: list[int], top_k: int, start: int) -> Scores:
@@ -494,6 +523,9 @@ class TorchEngine(Engine):
     `compile_failures` says why.
 
     `source` is a ModelSource; `version` is its weights version (by default a Published's own, else 0).
+    A LoRA version (meshy.dataplane.adapters: a Published's own Adapter, or `adapter` for a (config,
+    tensors) pair) must carry its base; its adapters, and those of later versions on that base, are merged
+    into the weights (DecoderModel.set_adapters), which keep the adapted base weights aside.
     `release` drops the KV cache and, on an accelerator, moves the weights to host memory; running
     requests keep their slots and their caches are recomputed by `onload`.
     """
@@ -508,6 +540,7 @@ class TorchEngine(Engine):
         dtype: str = "float32",
         version: int | None = None,
         compile: bool = False,
+        adapter: Adapter | None = None,
     ):
         if max_running < 1:
             raise SchemaError(f"TorchEngine max_running: expected >= 1, got {max_running}")
@@ -515,15 +548,22 @@ class TorchEngine(Engine):
             raise SchemaError(f"TorchEngine max_len: expected >= 2 tokens, got {max_len}")
         if dtype not in DTYPES:
             raise SchemaError(f"TorchEngine dtype: expected one of {list(DTYPES)}, got {dtype!r}")
+        adapter = _adapter_of(source, adapter)
         config, tensors = read_model(source)
         self.config = ModelConfig.from_hf(config)
         self.vocab_size, self.max_len = self.config.vocab_size, max_len
         if version is None:
             version = source.version if isinstance(source, Published) else 0
         device = torch.device(device)
-        _check_fits(self.config, tensors, max_running, max_len, device, DTYPES[dtype])
-        model = load_model(self.config, tensors, device, DTYPES[dtype])
+        base, adapters = split_version(tensors) if adapter is not None else (tensors, {})
+        if adapter is not None and not base:
+            raise SchemaError("TorchEngine source: a LoRA version without its base; expected one that carries it")
+        _check_fits(self.config, base, max_running, max_len, device, DTYPES[dtype], [n for n in adapters if n in base])
+        model = load_model(self.config, base, device, DTYPES[dtype])
+        if adapter is not None:
+            model.set_adapters(adapters, adapter.scale)
         self._scheduler = _Scheduler(model, self.config, max_running, max_len, device, DTYPES[dtype], version, compile)
+        self._scheduler.base = None if adapter is None else adapter.base
         self._inbox: queue.SimpleQueue[_Request | _Call] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopped: str | None = None  # why no command will be run any more
@@ -539,6 +579,10 @@ class TorchEngine(Engine):
     @property
     def records_routing(self) -> bool:
         return self.config.moe
+
+    @property
+    def lora_base(self) -> str | None:
+        return self._scheduler.base
 
     @property
     def cuda_graphs(self) -> dict:
@@ -583,16 +627,18 @@ class TorchEngine(Engine):
     async def resume(self) -> None:
         await self._call(partial(self._scheduler.set_paused, False))
 
-    async def update_weights(self, version: int, source: WeightsSource) -> None:
-        """A Published is read and verified off the worker (generation goes on meanwhile); a corrupt or
-        mismatched version raises and leaves the engine on its current weights."""
+    async def update_weights(self, version: int, source: WeightsSource, adapter: Adapter | None = None) -> None:
+        """A Published is read and verified off the worker (generation goes on meanwhile): a LoRA version's
+        base only if the engine does not hold it already. A corrupt or mismatched version raises and leaves
+        the engine on its current weights."""
+        adapter = _adapter_of(source, adapter)
         if isinstance(source, Published):
             if source.version != version:
                 raise SchemaError(f"update_weights version: {version} given for published version {source.version}")
-            config, source = await asyncio.to_thread(read_published, source)
+            config, source = await asyncio.to_thread(read_published, source, held_base=self.lora_base)
             if ModelConfig.from_hf(config) != self.config:
                 raise SchemaError(f"weights v{version}: config.json describes another model than the engine's")
-        await self._call(partial(self._scheduler.load_weights, version, source))
+        await self._call(partial(self._scheduler.load_weights, version, source, adapter))
 
     async def release(self) -> None:
         await self._call(self._scheduler.release)

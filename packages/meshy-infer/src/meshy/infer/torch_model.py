@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshy.dataplane import HOST
+from meshy.dataplane import HOST, SchemaError
 from meshy.dataplane.decoder_arch import DecoderArch
 from meshy.dataplane.hf_directory import check_tensor_shapes
 
@@ -119,6 +119,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), signed_sin).type_as(x)
 
 
+class Projection(nn.Linear):
+    """A bias-free Linear whose weight a LoRA version's adapters may be merged into: `base_weight` then
+    keeps the weight they apply onto (`DecoderModel.set_adapters`)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.register_buffer("base_weight", None, persistent=False)
+
+
 class Attention(nn.Module):
     def __init__(self, config: DecoderArch, layer: int):
         super().__init__()
@@ -127,8 +136,8 @@ class Attention(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         d, h = config.hidden_size, config.head_dim
-        self.qkv_proj = nn.Linear(d, (self.heads + 2 * self.kv_heads) * h, bias=False)  # q, k, v rows stacked
-        self.o_proj = nn.Linear(self.heads * h, d, bias=False)
+        self.qkv_proj = Projection(d, (self.heads + 2 * self.kv_heads) * h)  # q, k, v rows stacked
+        self.o_proj = Projection(self.heads * h, d)
         self.q_norm = nn.RMSNorm(h, eps=config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(h, eps=config.rms_norm_eps) if config.qk_norm else None
 
@@ -152,8 +161,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # gate, up rows stacked
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Projection(hidden_size, 2 * intermediate_size)  # gate, up rows stacked
+        self.down_proj = Projection(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -280,25 +289,90 @@ class DecoderModel(nn.Module):
         hidden, routed = self.hidden(tokens[:, None], positions[:, None], _Decode(cache, positions, span))
         return hidden[:, 0], _stack_layers([chosen[:, 0] for chosen in routed])
 
+    def _parts(self, module: str, rows: int) -> list[tuple[str, int, int]]:
+        """The HF projections whose weights a stacked module's weight holds by rows: (name, first row, rows);
+        the module itself when it stacks none."""
+        if module == "qkv_proj":
+            heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+            names = ("q_proj", "k_proj", "v_proj")
+            sizes = [n * self.config.head_dim for n in (heads, kv_heads, kv_heads)]
+        elif module == "gate_up_proj":
+            names, sizes = ("gate_proj", "up_proj"), [rows // 2, rows // 2]
+        else:
+            return [(module, 0, rows)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return list(zip(names, starts, sizes, strict=True))
+
     def hf_parameters(self) -> dict[str, torch.Tensor]:
         """Every weight by its HF tensor name: a parameter, or the rows of a stacked one (views: writing
         to them writes the model)."""
         named = {}
         for name, param in self.state_dict().items():
             prefix, _, leaf = name.rpartition(".")
-            module = prefix.rpartition(".")[2]
-            if module == "qkv_proj":
-                heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
-                sizes = [n * self.config.head_dim for n in (heads, kv_heads, kv_heads)]
-                parts = zip(("q_proj", "k_proj", "v_proj"), param.split(sizes), strict=True)
-            elif module == "gate_up_proj":
-                parts = zip(("gate_proj", "up_proj"), param.chunk(2), strict=True)
-            else:
+            stem, _, module = prefix.rpartition(".")
+            parts = self._parts(module, param.shape[0]) if param.ndim == 2 else []
+            if len(parts) < 2:
                 named[name] = param
                 continue
-            stem = prefix.rpartition(".")[0]
-            named.update({f"{stem}.{part}.{leaf}": rows for part, rows in parts})
+            named.update({f"{stem}.{part}.{leaf}": param[start : start + rows] for part, start, rows in parts})
         return named
+
+    def projections(self) -> dict[str, tuple[Projection, int, int]]:
+        """Every weight adapters can apply to, by its HF tensor name: its Projection and its rows there."""
+        found = {}
+        for name, module in self.named_modules():
+            if isinstance(module, Projection):
+                stem, _, leaf = name.rpartition(".")
+                for part, start, rows in self._parts(leaf, module.out_features):
+                    found[f"{stem}.{part}.weight"] = (module, start, rows)
+        return found
+
+    def check_adapters(self, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """SchemaError unless every adapter ({HF weight name: (A [r, in], B [out, r])}) fits a projection."""
+        projections = self.projections()
+        for name, (a, b) in sorted(adapters.items()):
+            if name not in projections:
+                raise SchemaError(
+                    f"adapters for {name}: no such projection in {self.config.architecture}; expected a layer's "
+                    f"attention or MLP projection, e.g. {next(iter(projections))}"
+                )
+            module, _, rows = projections[name]
+            if a.shape[1] != module.in_features or b.shape[0] != rows:
+                raise SchemaError(
+                    f"adapters for {name}: A {tuple(a.shape)} and B {tuple(b.shape)}, expected A [r, "
+                    f"{module.in_features}] and B [{rows}, r]"
+                )
+
+    def set_adapters(self, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """Merge `adapters` ({HF weight name: (A, B)}, checked first) into the base weights they apply onto,
+        W = base + scale * B A (computed in float32, from the base kept aside, never by subtracting the
+        previous adapters: rounding would drift), in place of the ones the model had; none drops them.
+        The weights change in place, so the decode graphs keep reading them.
+
+        Merged rather than applied beside the weights (W x + scale * B (A x) in every forward): measured on
+        CPU, one thread, ranks 8 and 32, qwen3-tiny and a SmolLM2-135M shape in float32 and bfloat16, both
+        match the trainer alike (float32: within 2e-6 in logprob), and the unmerged forward cost 10 to 47%
+        more per decode step (batch 8) while merging cost 0.08 to 0.7 s more per version on the 135M model
+        than setting adapters aside: paid back within about 20 decode steps, and a version spans hundreds."""
+        self.check_adapters(adapters)
+        by_module: dict[Projection, list[tuple[int, int, tuple | None]]] = {}
+        for name, (module, start, rows) in self.projections().items():
+            by_module.setdefault(module, []).append((start, rows, adapters.get(name)))
+        for module, parts in by_module.items():
+            if all(pair is None for _, _, pair in parts):
+                if module.base_weight is not None:
+                    module.weight.copy_(module.base_weight)
+                    module.base_weight = None
+                continue
+            if module.base_weight is None:
+                module.base_weight = module.weight.clone()
+            for start, rows, pair in parts:
+                base, weight = module.base_weight[start : start + rows], module.weight[start : start + rows]
+                if pair is None:
+                    weight.copy_(base)
+                    continue
+                a, b = (half.to(weight.device, torch.float32) for half in pair)
+                weight.copy_(torch.addmm(base.float(), b, a, alpha=scale))
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in (converted to the model's dtype and device). Every name and shape is
@@ -312,6 +386,9 @@ class DecoderModel(nn.Module):
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(tensors[name])
+            for module in self.modules():
+                if isinstance(module, Projection):
+                    module.base_weight = None  # the new weights are the base
 
 
 def _stack_layers(routed: list[torch.Tensor]) -> torch.Tensor | None:
