@@ -5,6 +5,7 @@ import contextlib
 import json
 import re
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from meshy.dataplane import SchemaError
 from meshy.dataplane import columns as cols
 from meshy.dataplane.weight_sync import WeightSyncGroup
-from meshy.dataplane.weights import Published, resync_stream
+from meshy.dataplane.weights import Published, Transport, resync_stream
 from meshy.infer.engine import SamplingParams
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig
 from meshy.infer.reference_service import ReferenceService, ReferenceServiceConfig
@@ -24,7 +25,7 @@ from meshy.train.losses import kl_to_reference
 from meshy.train.parallel import build_model
 from meshy.train.publish import CollectivePublisher, DirectoryPublisher
 from meshy.train.training_config import ParallelConfig
-from tests.infer.test_torch_engine import ARCH, sharp_weights
+from tests.infer.test_torch_engine import ARCH, lora_updates, sharp_weights, trainer_logprobs
 
 CHECK = [cols.RESPONSE_IDS, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS, cols.FINISH_REASON, cols.TRUNCATED, cols.ERROR]
 
@@ -169,6 +170,74 @@ def test_a_new_version_mid_generation_is_loaded_and_every_token_keeps_its_versio
     assert any(set(v.tolist()) == {2} for v in batch.columns[cols.TOKEN_VERSIONS])
 
 
+@pytest.mark.parametrize("update_mode", ["abort", "in_place"])
+def test_an_adapter_switch_mid_generation_keeps_every_token_s_version(update_mode, client, unique, tmp_path):
+    """LoRA versions: the engine starts from v1 (base and adapters), v2 (adapters only) lands mid-generation.
+    Every token's recorded version is the one whose adapters produced it: a token of v1 has v1's logprob, and
+    with update_mode abort (the prefix recomputed under the new weights) a token of v2 has v2's."""
+    from meshy.train.parallel import load_weights
+    from meshy.train.training_config import LoraConfig
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("wq", "wv", "w2"))
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", lora=lora)
+    load_weights(model, ARCH, sharp_weights(0))
+    publisher = DirectoryPublisher(tmp_path, ARCH, dtype="float32", keep=4)
+    first = publisher.publish(model, 1)
+    name, stream, rows = table(client, unique), unique("weights"), list(range(4))
+    client.put(name, rows, {cols.PROMPT_IDS: [torch.tensor([5, 6, 7, 8])] * len(rows)})
+    config = InferenceServiceConfig(
+        table=name,
+        sampling=SamplingParams(100, temperature=0.0),
+        context_length=128,
+        weights_stream=stream,
+        poll_s=0.05,
+        update_mode=update_mode,
+    )
+    e = TorchEngine(first, max_running=1, max_len=128)  # one request at a time: the update lands mid-run
+    service = InferenceService(client, e, config)
+
+    async def serve():
+        task = asyncio.create_task(service.run(max_rows=len(rows)))
+        while service.stats.rows < 1:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)
+        with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():
+                if parameter_name.endswith("lora_B.weight"):
+                    parameter.normal_(std=0.3, generator=torch.Generator().manual_seed(1))
+        second = publisher.publish(model, 2)
+        client.append(stream, second.to_message())
+        stats = await asyncio.wait_for(task, 120)
+        await e.close()
+        return stats, second
+
+    stats, second = asyncio.run(serve())
+    assert stats.versions == [2] and e.weight_version == 2 and e.lora_base == first.adapter.base
+    batch = client.lease(name, "check", CHECK, count=len(rows), timeout=5)
+    references = {1: TorchEngine(first, max_len=128), 2: TorchEngine(second, max_len=128)}
+
+    async def check() -> int:
+        switches = 0
+        for response, logprobs, versions in zip(
+            *(batch.columns[c] for c in (cols.RESPONSE_IDS, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS)), strict=True
+        ):
+            v = versions.tolist()
+            assert v == sorted(v) and set(v) <= {1, 2} and len(v) == len(response)
+            switches += len(set(v)) == 2
+            sequence = [5, 6, 7, 8, *response.tolist()]
+            for version, reference in references.items():
+                scored = torch.tensor((await reference.score(sequence, start=3)).token_logprobs)
+                mine = torch.tensor(v) == version
+                if mine.any() and (version == 1 or update_mode == "abort"):
+                    assert (scored[mine] - logprobs[mine]).abs().max().item() <= 1e-4, (version, v)
+        for reference in references.values():
+            await reference.close()
+        return switches
+
+    assert asyncio.run(check()) >= 1, "a request spanned the update, its prefix kept version 1"
+    assert (stats.continued >= 1) == (update_mode == "abort")
+
+
 def test_prompts_written_after_a_version_was_announced_are_generated_by_that_version(client, unique, tmp_path):
     """What on-policy pacing relies on: rollout sees version v announced, then writes prompts meant for v;
     however late the background watcher is, none of them may be generated by an older version."""
@@ -256,6 +325,86 @@ def test_an_engine_that_cannot_rebuild_a_broadcast_delta_asks_for_a_whole_versio
     assert stats.versions == [1, 3] and stats.failed_loads == 1
     kinds = [("delta" in json.loads(m.payload["location"])) for m in announced.read(16)]
     assert kinds == [False, True, False]
+
+
+def test_an_engine_without_the_base_of_a_broadcast_adapter_version_asks_for_its_base_and_gets_it(client, unique):
+    """publish = "collective" with LoRA: v1 carries the base and its adapters, v2 the adapters alone, loaded
+    onto the base the engine holds; then the engine's base is gone (as for an engine that joined late): v3's
+    adapters cannot apply, the engine keeps serving v2 and asks on the resync stream, and v4 comes with
+    its base."""
+    from meshy.train.parallel import load_weights
+    from meshy.train.training_config import LoraConfig
+
+    name, stream = table(client, unique), unique("weights")
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", lora=LoraConfig(rank=2, targets=("wq", "w1")))
+    load_weights(model, ARCH, sharp_weights(3))
+    store, groups = dist.HashStore(), {}
+    joining = threading.Thread(target=lambda: groups.update(publisher=WeightSyncGroup(store, 0, 2, timeout_s=60)))
+    joining.start()
+    engine_group = WeightSyncGroup(store, 1, 2, timeout_s=60)
+    joining.join()
+    publisher = CollectivePublisher(groups["publisher"], ARCH, client, dtype="float32", stream=stream)
+    config = InferenceServiceConfig(
+        table=name, sampling=SamplingParams(2, seed=1), context_length=64, weights_stream=stream
+    )
+    e = engine(version=0)
+    service = InferenceService(client, e, config, weight_sync=engine_group)
+    resync = client.reader(resync_stream(stream), "test", start=1)
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    async def loaded(version: int) -> None:
+        while e.weight_version != version:
+            await asyncio.sleep(0.01)
+
+    async def serve():
+        task = asyncio.create_task(service.run(max_rows=1))
+        for version in (1, 2, 3, 4):
+            with torch.no_grad():
+                for parameter_name, parameter in model.named_parameters():
+                    if parameter_name.endswith("lora_B.weight"):
+                        parameter.add_(0.1)
+            if version == 3:
+                e._scheduler.base = "another-base"  # what the engine holds is not v3's base
+            published = await asyncio.to_thread(publisher.publish, model, version)  # returns once received
+            if version == 3:
+                asked = await asyncio.to_thread(resync.read, 16, 30)
+            else:
+                await asyncio.wait_for(loaded(version), 30)
+                assert e.lora_base == published.adapter.base
+                expected = trainer_logprobs(model, tokens)[0].tolist()
+                assert (await e.score(tokens[0].tolist())).token_logprobs == pytest.approx(expected, abs=1e-5)
+        client.put(name, [0], {cols.PROMPT_IDS: [torch.tensor([5, 6, 7, 8])]})
+        stats = await asyncio.wait_for(task, 60)
+        await e.close()
+        return stats, asked
+
+    stats, asked = asyncio.run(serve())
+    assert [m.payload["version"] for m in asked] == [3] and "another-base" in asked[0].payload["error"]
+    assert stats.versions == [1, 2, 4] and stats.failed_loads == 1
+
+
+def test_a_broadcast_adapter_version_with_its_base_followed_by_others_is_loaded_before_they_are_received(client):
+    """The tensors a member receives last only until its next receive: when announcements of v1 (with its base)
+    and v2 (adapters alone) are joined together, v1 is loaded before v2 is received, so v2 has its base."""
+    lora = lora_updates()
+    first, second = lora.with_base, lora.adapters_only
+    received: list[tuple[int, str | None]] = []
+
+    class Member:  # the weight-sync group as an engine's member of it sees it
+        def receive(self, published: Published, held_base: str | None = None):
+            received.append((published.version, held_base))
+            return {}, {first.version: first.source, second.version: second.source}[published.version]
+
+    e = engine(version=0)
+    service = InferenceService(client, e, InferenceServiceConfig(), weight_sync=Member())
+    announced = [
+        SimpleNamespace(payload=Published(u.version, Transport.COLLECTIVE, "{}", "-", 0, 0.0, u.adapter).to_message())
+        for u in (first, second)
+    ]
+    asyncio.run(service._load_newest(announced))
+    assert received == [(first.version, None), (second.version, first.adapter.base)]
+    assert service.stats.versions == [first.version, second.version] and e.weight_version == second.version
+    asyncio.run(e.close())
 
 
 def test_in_waves_the_same_rows_generate_the_same_tokens_and_logprobs_bit_for_bit(client, unique):

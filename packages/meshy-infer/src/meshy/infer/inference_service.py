@@ -35,6 +35,7 @@ import torch
 
 from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
 from meshy.dataplane import columns as cols
+from meshy.dataplane.adapters import Adapter, is_adapter_tensor
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weight_sync import WeightSyncGroup
 from meshy.dataplane.weights import WEIGHTS_STREAM, CorruptWeights, Published, Transport, resync_stream
@@ -329,8 +330,8 @@ class InferenceService:
                 return
             if announced[-1].transport is Transport.COLLECTIVE:
                 received = await self._receive(announced)
-                if received is not None and received[0] > self.engine.weight_version:
-                    await self._load(*received)
+                if received is not None:
+                    await self._load_received(*received)
                 return
             newest = announced[-1]
             if newest.version <= self.engine.weight_version:
@@ -340,22 +341,38 @@ class InferenceService:
             except CorruptWeights as e:  # e.g. pruned because newer versions followed: wait for the next one
                 self._not_loaded(newest.version, e)
 
-    async def _receive(self, announced: list[Published]) -> tuple[int, dict[str, torch.Tensor]] | None:
+    async def _receive(self, announced: list[Published]) -> tuple[Published, dict[str, torch.Tensor]] | None:
         """Join the broadcast of every announced version not joined yet, in order (the publisher sends each
         once and waits for every engine, so none may be skipped); the newest one, if it was received
         intact (its tensors are valid until the next receive). A version that cannot be rebuilt asks the
         publisher for the next one whole (resync_stream), so a missed delta costs a version or two, not
-        the versions until the next scheduled whole one."""
+        the versions until the next scheduled whole one. A LoRA version that carries its base is loaded
+        at once: the adapter-only versions after it apply onto that base."""
         newest = None
         for published in self._not_joined(announced):
             try:
-                _, tensors = await asyncio.to_thread(self.weight_sync.receive, published)
+                _, tensors = await asyncio.to_thread(
+                    self.weight_sync.receive, published, held_base=self.engine.lora_base
+                )
             except CorruptWeights as e:
                 newest = None  # received into the same buffers: an earlier version's tensors are gone too
                 await self._resync(published.version, e)
                 continue
-            newest = (published.version, tensors)
+            newest = (published, tensors)
+            if published is not announced[-1] and published.adapter is not None and _carries_base(tensors):
+                await self._load_received(published, tensors)
+                newest = None
         return newest
+
+    async def _load_received(self, published: Published, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a received version newer than the engine's; one the engine cannot apply (adapters on a base
+        it does not hold) asks for a whole version."""
+        if published.version <= self.engine.weight_version:
+            return
+        try:
+            await self._load(published.version, tensors, published.adapter)
+        except CorruptWeights as e:
+            await self._resync(published.version, e)
 
     async def _receive_in_engine(self, announced: list[Published]) -> None:
         """As _receive, for an engine that joins the broadcasts itself: it loads each version it receives."""
@@ -383,8 +400,9 @@ class InferenceService:
         )
         self.stats.failed_loads += 1
 
-    async def _load(self, version: int, source: WeightsSource) -> None:
-        """Pause, abort what is in flight (it continues from its prefix), load, resume."""
+    async def _load(self, version: int, source: WeightsSource, adapter: Adapter | None = None) -> None:
+        """Pause, abort what is in flight (it continues from its prefix), load, resume. `adapter`: a received
+        LoRA version's, from its announcement."""
         self._updating.clear()
         try:
             await self.engine.pause()
@@ -392,9 +410,14 @@ class InferenceService:
                 for request_id in list(self._requests.values()):
                     self._aborted_for_update.add(request_id)
                     await self.engine.abort(request_id)
-            await self.engine.update_weights(version, source)
+            await self.engine.update_weights(version, source, adapter)
             self.stats.weight_updates += 1
             self.stats.versions.append(version)
         finally:
             self._updating.set()
             await self.engine.resume()
+
+
+def _carries_base(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a LoRA version's tensors hold its base's too, not its adapters alone."""
+    return any(not is_adapter_tensor(name) for name in tensors)
