@@ -8,10 +8,12 @@ closes it gets a new one for the next.
 """
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,16 +23,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from meshy.dataplane import SchemaError, WeightSyncError
+from meshy.dataplane.adapters import Adapter
 from meshy.dataplane.weight_sync import WeightSyncGroup
-from meshy.dataplane.weights import CorruptWeights, Published, read_published
+from meshy.dataplane.weights import CorruptWeights, Published, Transport, read_published, tensors_checksum
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH
 from meshy.infer.torch_engine import TorchEngine
+from meshy.train.logprobs import forward_logits, token_logprobs
+from meshy.train.lora import apply_lora, peft_state_dict
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
-from meshy.train.training_config import ParallelConfig
+from meshy.train.training_config import LoraConfig, ParallelConfig
 from tests.infer.conformance import EngineConformance, EngineSpec, async_case, greedy, probe, prompt
 
 pytestmark = pytest.mark.sglang
@@ -446,6 +452,14 @@ def test_an_engine_receives_broadcast_versions_in_sglang_and_keeps_serving_when_
     asyncio.run(back_to_start(engine, published[0]))
 
 
+@async_case
+async def test_an_engine_started_from_a_whole_model_refuses_lora_versions(engine, new_tensors):
+    adapter = Adapter(8, 16.0, ("q_proj",), "0" * 32)
+    with pytest.raises(SchemaError, match="v5 adapter: a LoRA version .* SGLang enables LoRA only at start"):
+        await engine.update_weights(5, new_tensors, adapter=adapter)
+    assert engine.weight_version == 1
+
+
 def test_importing_the_engine_module_does_not_import_sglang():
     code = "import sys, meshy.infer.sglang_engine; assert 'sglang' not in sys.modules, 'sglang was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -553,3 +567,151 @@ def test_a_mixture_s_routing_is_recorded_as_on_the_reference_engine_and_spliced_
         asyncio.run(check())
     finally:
         asyncio.run(engine.close())
+
+
+LORA = LoraConfig(rank=8, alpha=16.0, targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SCORED = torch.randint(3, ARCH.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+
+
+@dataclasses.dataclass
+class LoraVersion:
+    published: Published  # on disk, as the contract lays it out
+    adapters: dict[str, torch.Tensor]  # PEFT-named
+    logprobs: torch.Tensor  # the trainer's token logprobs of SCORED with these adapters
+
+
+class LoraRun:
+    """A LoRA run's versions on disk as meshy.dataplane.adapters' contract lays them out: the base as an HF
+    directory <root>/base, each version a PEFT adapter directory <root>/v{version:06d}. The trainer's model
+    (sharp_model(seed) with LORA's adapters) computes the expected logprobs."""
+
+    def __init__(self, root: Path, seed: int):
+        self.root, self.model = root, sharp_model(seed)
+        whole = DirectoryPublisher(root / "whole", ARCH, dtype="float32").publish(self.model, 1)
+        shutil.copytree(whole.location, root / "base")
+        self.base = read_published(whole)[1]
+        self.adapter = Adapter(LORA.rank, LORA.alpha, LORA_MODULES, whole.checksum)
+        apply_lora(self.model, LORA)
+
+    def version(self, version: int) -> LoraVersion:
+        """The next version: every lora_B drawn anew (seeded by `version`; PEFT's zeros would change nothing)."""
+        generator = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for name, parameter in self.model.named_parameters():
+                if "lora_B" in name:
+                    parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
+            logprobs = token_logprobs(forward_logits(self.model, SCORED), SCORED)
+        adapters = {name: tensor.detach().clone().contiguous() for name, tensor in peft_state_dict(self.model).items()}
+        directory = self.root / f"v{version:06d}"
+        directory.mkdir()
+        save_file(adapters, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+        (directory / "adapter_config.json").write_text(json.dumps(self.adapter.peft_config(str(self.root / "base"))))
+        checksum, size = tensors_checksum(adapters), sum(t.numel() * t.element_size() for t in adapters.values())
+        published = Published(version, Transport.DISK, str(directory), checksum, size, 0.0, adapter=self.adapter)
+        return LoraVersion(published, adapters, logprobs)
+
+
+@pytest.fixture(scope="module")
+def lora_engine(shared, tmp_path_factory):
+    """One engine started from a LoRA version for the LoRA cases (in `shared`, closed with the module)."""
+    for engine in shared:  # one SGLang engine per process at a time
+        if not engine.closed:
+            asyncio.run(engine.close())
+    run = LoraRun(tmp_path_factory.mktemp("lora"), seed=0)
+    first = run.version(1)
+    shared.append(start_engine(first.published))
+    return shared[-1], run, first
+
+
+async def scored(engine) -> torch.Tensor:
+    return torch.tensor([(await engine.score(row.tolist())).token_logprobs for row in SCORED])
+
+
+async def adapters_in_sglang(engine) -> set[str]:
+    """The adapters SGLang's registry holds (its own record, not the engine's)."""
+
+    async def names() -> set[str]:
+        for _ in range(100):  # unloads run in the background
+            if not engine._unloading:
+                break
+            await asyncio.sleep(0.05)
+        return set(engine._tokenizer_manager.lora_registry.get_all_adapters())
+
+    return await engine._loop.run(names())
+
+
+@async_case
+async def test_a_lora_engine_serves_each_version_s_adapter_as_the_trainer_computes_it(lora_engine):
+    """Started from a LoRA version on disk: SGLang's base from <root>/base, the adapter loaded by name; fp32
+    logprobs within 1e-4 of the trainer's model with the same adapters (as SGLang against the reference
+    engine), for the first version and for one loaded from tensors in memory; a version's adapter is
+    unloaded once no request names it."""
+    engine, run, first = lora_engine
+    assert engine.weight_version == 1 and engine.lora_base == run.adapter.base
+    assert (await scored(engine) - first.logprobs).abs().max().item() <= 1e-4
+    result = await engine.generate("v1", prompt(50), greedy(8))
+    assert result.token_versions == [1] * 8
+
+    second = run.version(2)
+    await engine.update_weights(2, second.adapters, adapter=run.adapter)
+    assert engine.weight_version == 2
+    assert (await scored(engine) - second.logprobs).abs().max().item() <= 1e-4
+    assert (await engine.generate("v2", prompt(50), greedy(8))).token_versions == [2] * 8
+    assert await adapters_in_sglang(engine) == {"v2"}
+
+
+@async_case
+async def test_a_lora_switch_continues_running_requests_under_the_new_adapter(lora_engine):
+    """No pause: the new adapter loads while requests run, then each running request is aborted and goes on
+    from its output so far under the new adapter, so its tokens are the old version's up to the switch and
+    the new one's after it, each as that version alone produces it."""
+    engine, run, _ = lora_engine
+    current = engine.weight_version
+    ids = prompt(51)
+    budget = MAX_LEN - len(ids)
+    before = await engine.generate("before", ids, greedy(budget))
+    new = run.version(current + 1)
+    task = asyncio.create_task(engine.generate("long", ids, greedy(budget)))
+    await probe(engine)
+    await engine.update_weights(new.published.version, new.published)
+    result = await task
+    switch = result.token_versions.index(new.published.version)
+    assert 0 < switch < budget
+    assert result.token_versions == [current] * switch + [new.published.version] * (budget - switch)
+    assert result.output_ids[:switch] == before.output_ids[:switch]
+    after = await engine.generate("after", ids + result.output_ids[:switch], greedy(budget - switch))
+    assert result.output_ids[switch:] == after.output_ids
+    assert result.logprobs[switch:] == pytest.approx(after.logprobs, abs=1e-5)
+    assert await adapters_in_sglang(engine) == {f"v{new.published.version}"}
+
+
+@async_case
+async def test_lora_versions_the_engine_cannot_take_are_refused_naming_why(lora_engine, published, tmp_path):
+    """Refused before SGLang sees them, the engine staying on its version: a whole model's version, an
+    adapter of a higher rank or on other modules than SGLang's LoRA started with (SchemaError), adapters on
+    a base the engine does not hold (CorruptWeights: a version carrying the base fixes it, and loads)."""
+    engine, run, _ = lora_engine
+    current = engine.weight_version
+    with pytest.raises(SchemaError, match=r"v20 adapter: none \(a whole model's weights\)"):
+        await engine.update_weights(20, dataclasses.replace(published[0], version=20))
+    wider = dataclasses.replace(run.adapter, rank=16)
+    with pytest.raises(SchemaError, match="v21 adapter rank: 16, above the rank SGLang's LoRA started with \\(8"):
+        await engine.update_weights(21, {}, adapter=wider)
+    other = dataclasses.replace(run.adapter, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(SchemaError, match=r"v22 adapter target_modules: \['lm_head'\] beyond"):
+        await engine.update_weights(22, {}, adapter=other)
+    adapters = run.version(23).adapters
+    moved = dataclasses.replace(run.adapter, base="f" * 32)
+    with pytest.raises(CorruptWeights, match=f"v23: adapters on base {'f' * 32}, and this engine holds base "):
+        await engine.update_weights(23, adapters, adapter=moved)
+    name = next(name for name in adapters if name.endswith("lora_A.weight"))
+    with pytest.raises(SchemaError, match=r"lora_A \(8, 32\) and lora_B \(\d+, 8\), expected \(8, 64\)"):
+        await engine.update_weights(23, {**adapters, name: adapters[name][:, :32]}, adapter=run.adapter)
+    assert engine.weight_version == current
+
+    other_base = LoraRun(tmp_path, seed=1)
+    carried = other_base.version(24)
+    await engine.update_weights(24, {**other_base.base, **carried.adapters}, adapter=other_base.adapter)
+    assert engine.weight_version == 24 and engine.lora_base == other_base.adapter.base
+    assert (await scored(engine) - carried.logprobs).abs().max().item() <= 1e-4

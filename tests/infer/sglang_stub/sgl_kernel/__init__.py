@@ -9,8 +9,12 @@ would need a real kernel fails loudly instead of computing something wrong.
 It also stands in for the one CUDA runtime call SGLang makes on its CPU path: the host buffer that
 collects a mixture's routed experts (enable_return_routed_experts) is pinned with cudaHostRegister,
 which only speeds up copies from a GPU. Where CUDA is missing, registering and unregistering host memory
-succeed and do nothing; any other runtime call raises.
+succeed and do nothing; any other runtime call raises. For the same reason, SGLang's LoRA layers and its
+torch_native LoRA backend pin the small host tensors they build (`pin_memory=True`, `.pin_memory()`), which
+raises where CUDA is missing: there, pinning returns the tensor as it is.
 """
+
+import functools
 
 import torch
 
@@ -55,8 +59,21 @@ class _HostRegistrationOnly:
         raise NotImplementedError(f"torch.cuda.cudart().{name} is not in the test stand-in (tests/infer/sglang_stub)")
 
 
+def _unpinned(factory):
+    """A torch tensor factory that ignores pin_memory (pinned host memory needs CUDA)."""
+
+    @functools.wraps(factory)
+    def make(*args, pin_memory: bool = False, **kwargs):
+        return factory(*args, **kwargs)
+
+    return make
+
+
 if not torch.cuda.is_available():
     torch.cuda.cudart = _HostRegistrationOnly
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    for _name in ("tensor", "empty", "zeros", "ones", "full", "arange"):
+        setattr(torch, _name, _unpinned(getattr(torch, _name)))
 
 
 def __getattr__(name: str) -> _MissingKernel:

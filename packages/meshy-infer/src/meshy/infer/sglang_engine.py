@@ -27,6 +27,21 @@ generation continues (so every token after a weight update comes from the new we
 they end and are resubmitted here, their output so far appended to the prompt, once generation
 continues. Requests that arrive while generation is held wait.
 
+LoRA versions (meshy.dataplane.adapters) go through SGLang's own LoRA support. An engine started from a
+LoRA version on disk starts SGLang from its base's directory with LoRA enabled at the adapter's rank and
+target modules (SGLang fixes both at start), and loads each version's adapter, verified, under the name
+"v{version}" (SGLang keeps no weights version per adapter). Every new SGLang request names the newest
+adapter, and a running SGLang request cannot change adapter: at each version, requests running on an older
+adapter are aborted and continue from their output so far under the new one, whatever `pause_mode` says,
+so every token's version is the adapter's it was sampled with. The adapter loads while generation goes on
+(SGLang applies two adapters per batch here: the new one, and the old one while its requests end), and a
+version's adapter is unloaded once no request names it. A version that carries another base loads it
+with generation held, as a whole version does; an adapter-only version on a base the engine does not hold
+raises CorruptWeights (a version with the base fixes it). A whole model's version, an adapter of a higher
+rank or on other modules than the engine started with, or a LoRA version for an engine started from a
+whole model raise SchemaError. LoRA versions broadcast on the weight-sync group are refused (the plugin
+hands SGLang the model's weights, not its adapters).
+
 What SGLang cannot do here, and what happens instead:
 - Seeds: SGLang honours a seed only with enable_deterministic_inference (`deterministic=True`), which
   needs a GPU attention backend (fa3, fa4, flashinfer, triton) and samples with a Triton kernel. Without
@@ -50,6 +65,7 @@ What SGLang cannot do here, and what happens instead:
 import asyncio
 import atexit
 import base64
+import collections
 import contextlib
 import json
 import logging
@@ -69,6 +85,7 @@ from typing import Any
 import torch
 
 from meshy.dataplane import HOST, SchemaError, WeightSyncError
+from meshy.dataplane.adapters import Adapter, split_version
 from meshy.dataplane.hf_directory import HFDirectory, check_tensor_shapes
 from meshy.dataplane.model_source import ModelSource, read_model
 from meshy.dataplane.weights import (
@@ -115,7 +132,13 @@ _SET_BY = {
     "enable_weights_cpu_backup": "colocate",
     "enable_return_routed_experts": "record_routing",
     "skip_tokenizer_init": "nothing: requests are token ids",
+    "enable_lora": "source: a LoRA version",
+    "max_lora_rank": "source: a LoRA version's adapter rank",
+    "lora_target_modules": "source: a LoRA version's adapter target_modules",
+    "lora_paths": "update_weights: each LoRA version's adapter is loaded by name",
 }
+# Adapters SGLang may apply in one batch: the current version's, and the one before while its requests end.
+_LORA_PER_BATCH = 2
 
 
 class SGLangError(RuntimeError):
@@ -235,6 +258,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     routing: list[torch.Tensor] | None = None  # each attempt's expert ids [tokens, layers, top_k], if recorded
     rid: str | None = None  # the SGLang request now running for it
+    adapter: int | None = None  # the version whose adapter that request names (LoRA)
     aborted: bool = False  # by abort() or close()
     interrupted: bool = False  # ended by an abort-mode pause: continue from its output once resumed
 
@@ -243,6 +267,11 @@ class _Request:
         return Generation(
             self.request_id, self.output, self.logprobs, self.versions, finish_reason, len(self.prompt), routed
         )
+
+
+def _adapter_name(version: int) -> str:
+    """SGLang's name of the adapter of a LoRA version: SGLang tracks no weight version per adapter."""
+    return f"v{version}"
 
 
 def _versions_per_token(spans: list[dict], count: int) -> list[int]:
@@ -294,11 +323,45 @@ def _check_settings(
         check_loaded()
 
 
+def _refuse_broadcast_adapters(published: Published) -> None:
+    if published.adapter is not None:
+        raise SchemaError(
+            f"weights v{published.version}: a LoRA version broadcast on the weight-sync group; SGLangEngine takes "
+            "LoRA versions from disk, shared memory or tensors in memory (SGLang receives a broadcast into the "
+            "model's weights, not into its LoRA adapters)"
+        )
+
+
+def _check_adapters(
+    what: str, adapter: Adapter, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], shapes: Mapping
+) -> None:
+    """Each adapter (A, B) on a weight the model has, of a module the announcement targets, with A [rank, in]
+    and B [out, rank] (SGLang would fail on a misshapen adapter in the middle of a batch)."""
+    if not pairs:
+        raise SchemaError(f"{what}: a LoRA version without adapter tensors")
+    for weight, (a, b) in pairs.items():
+        if weight not in shapes:
+            raise SchemaError(f"{what}: adapter on {weight}, which the model does not have")
+        module = weight.split(".")[-2]
+        if module not in adapter.target_modules:
+            raise SchemaError(
+                f"{what}: adapter on {weight}; its module {module!r} is not among the adapter target_modules "
+                f"{sorted(adapter.target_modules)}"
+            )
+        out_features, in_features = shapes[weight]
+        if tuple(a.shape) != (adapter.rank, in_features) or tuple(b.shape) != (out_features, adapter.rank):
+            raise SchemaError(
+                f"{what}: adapter on {weight}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
+                f"{(adapter.rank, in_features)} and {(out_features, adapter.rank)} (rank {adapter.rank})"
+            )
+
+
 @dataclass
 class _FirstWeights:
     """What an engine starts from: the model (config.json, tensor shapes), its weights version, and its
     weights: a directory SGLang loads, or (directory None) tensors in memory or a broadcast version that
-    SGLangEngine loads once SGLang runs."""
+    SGLangEngine loads once SGLang runs. For a LoRA version: its base's directory, and its adapter's
+    tensors (verified, read from its PEFT directory), which SGLangEngine loads once SGLang runs."""
 
     config: dict
     shapes: dict[str, tuple[int, ...]]
@@ -306,6 +369,8 @@ class _FirstWeights:
     directory: Path | None = None
     tensors: Mapping[str, torch.Tensor] | None = None
     broadcast: Published | None = None
+    adapter: Adapter | None = None
+    adapter_tensors: dict[str, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, source: ModelSource, version: int | None, weight_sync_rank: int | None) -> "_FirstWeights":
@@ -323,6 +388,7 @@ class _FirstWeights:
     @classmethod
     def _of_published(cls, source: Published, version: int, weight_sync_rank: int | None) -> "_FirstWeights":
         if source.transport is Transport.COLLECTIVE:
+            _refuse_broadcast_adapters(source)
             if weight_sync_rank is None:
                 raise SchemaError(
                     f"SGLangEngine source: v{source.version} is broadcast on the weight-sync group; an engine "
@@ -339,8 +405,12 @@ class _FirstWeights:
                 f"SGLangEngine source: a {source.transport} version cannot start an engine; start from a "
                 f"{Transport.DISK} version, a directory or (config, tensors), then update_weights"
             )
-        directory, config, shapes = verify_published(source)
-        return cls(config, shapes, version, directory=directory.path)
+        directory, config, shapes = verify_published(source)  # a LoRA version's: its base's
+        if source.adapter is None:
+            return cls(config, shapes, version, directory=directory.path)
+        _, adapters = read_published(source, held_base=source.adapter.base)  # the base is verified above
+        _check_adapters(f"weights v{source.version}", source.adapter, split_version(adapters)[1], shapes)
+        return cls(config, shapes, version, directory.path, adapter=source.adapter, adapter_tensors=adapters)
 
     @contextlib.contextmanager
     def model_path(self) -> Iterator[Path]:
@@ -377,6 +447,8 @@ class SGLangEngine(Engine):
     `pause_mode` and `bucket_bytes` may be changed later (they apply from the next hold or update).
     `weight_sync_rank`: the rank of the engine's first scheduler (of tp_size) in the weight-sync group,
     for an engine that receives broadcast versions (it starts from the first one's announcement).
+    A LoRA version on disk as `source` starts SGLang with LoRA (see the module docstring); SGLang's
+    max_loras_per_batch (2 here) may be passed on.
     """
 
     def __init__(
@@ -412,6 +484,9 @@ class SGLangEngine(Engine):
         self._record_routing = record_routing
         self.max_len = max_len
         self._version = first.version
+        self._lora = first.adapter  # the rank and target modules SGLang's LoRA started with; None: no LoRA
+        self._base = None if first.adapter is None else first.adapter.base  # the base's checksum (LoRA)
+        self._base_version = first.version  # SGLang's own weight_version: the version its base weights came with
         self._on_gpu = device != "cpu"
         self._colocate = colocate
         self.pause_mode = pause_mode
@@ -477,6 +552,15 @@ class SGLangEngine(Engine):
                 args["max_total_tokens"] = max_running * (self.max_len + _CONTEXT_SLACK)
         if starts_empty:  # SGLang starts from config.json alone, its weights filled by _load_first
             args["load_format"] = "dummy"
+        if self._lora is not None:
+            args |= {
+                "enable_lora": True,
+                "max_lora_rank": self._lora.rank,
+                "lora_target_modules": sorted(self._lora.target_modules),
+                "max_loras_per_batch": _LORA_PER_BATCH,
+            }
+            if device == "cpu":  # SGLang's other LoRA backends are Triton kernels
+                args["lora_backend"] = "torch_native"
         return args
 
     def _stop_at_exit(self) -> None:
@@ -496,6 +580,10 @@ class SGLangEngine(Engine):
         self._gate = asyncio.Condition()  # notified when holds or closing change (used on the loop only)
         self._control = asyncio.Lock()  # one pause/resume/update/release/onload at a time
         self._released = False
+        self._adapter: int | None = None  # the version whose adapter every new SGLang request names (LoRA)
+        self._adapters_loaded: set[int] = set()  # versions whose adapters SGLang holds
+        self._adapter_users: collections.Counter[int] = collections.Counter()  # SGLang requests per adapter
+        self._unloading: set[asyncio.Task] = set()
         self._closing = False  # set on the loop: no new SGLang request from now on
         self._close_started = False
         self._closed = threading.Event()
@@ -504,7 +592,9 @@ class SGLangEngine(Engine):
 
     def _load_first(self, first: _FirstWeights) -> None:
         """The first weights, when SGLang started without them: tensors in memory, or a broadcast version."""
-        if first.tensors is not None:
+        if first.adapter_tensors is not None:
+            loading = self._update_lora_on_loop(first.version, first.adapter, first.adapter_tensors)
+        elif first.tensors is not None:
             loading = self._update_from_tensors_on_loop(first.version, first.tensors)
         elif first.broadcast is not None:
             loading = self._update_from_broadcast_on_loop(first.version, first.broadcast)
@@ -519,6 +609,11 @@ class SGLangEngine(Engine):
     @property
     def records_routing(self) -> bool:
         return self._record_routing
+
+    @property
+    def lora_base(self) -> str | None:
+        """The checksum of the LoRA base SGLang holds (None: the engine serves a whole model)."""
+        return self._base
 
     @property
     def pause_mode(self) -> str:
@@ -562,15 +657,27 @@ class SGLangEngine(Engine):
     async def resume(self) -> None:
         await self._run(self._set_hold_on_loop("pause", False))
 
-    async def update_weights(self, version: int, source: WeightsSource) -> None:
+    async def update_weights(self, version: int, source: WeightsSource, adapter: Adapter | None = None) -> None:
         """A Published is verified (and its config compared with the engine's) before SGLang sees it; a
         directory is then loaded by SGLang from disk, tensors are sent in flattened buckets. A corrupt or
-        mismatched version raises and leaves the engine on its current weights."""
+        mismatched version raises and leaves the engine on its current weights. `adapter`: for tensors in
+        memory, the announcement's (a LoRA version's tensors; a Published says its own); see the class
+        docstring for LoRA versions."""
         if self._released and self._on_gpu:
             raise SGLangError(f"weights v{version}: the engine is released; onload() before update_weights")
         if isinstance(source, Published):
             if source.version != version:
                 raise SchemaError(f"update_weights version: {version} given for published version {source.version}")
+            if adapter is not None and adapter != source.adapter:
+                raise SchemaError(
+                    f"update_weights adapter: {adapter} given for published version {version}, which announces "
+                    f"{source.adapter} (a published version's own is used: pass None)"
+                )
+            adapter = source.adapter
+        if self._lora is not None or adapter is not None:
+            await self._update_lora(version, source, adapter)
+            return
+        if isinstance(source, Published):
             if source.transport is Transport.COLLECTIVE:
                 meta = json.loads(source.location)
                 if "delta" not in meta:  # a delta's manifest holds its changes; what it rebuilds is verified
@@ -589,6 +696,63 @@ class SGLangEngine(Engine):
                 f"weights v{version}", {name: tuple(t.shape) for name, t in source.items()}, self._shapes
             )
         await self._run(self._update_from_tensors_on_loop(version, source))
+
+    async def _update_lora(self, version: int, source: WeightsSource, adapter: Adapter | None) -> None:
+        """A LoRA version, checked (and a Published verified) before SGLang sees it: its base is loaded only if
+        the engine holds another one, then its adapter (_update_lora_on_loop)."""
+        what = f"weights v{version}"
+        self._check_lora_version(what, adapter)
+        base: Path | dict[str, torch.Tensor] | None = None
+        if not isinstance(source, Published):
+            tensors = source
+        elif source.transport is Transport.COLLECTIVE:
+            _refuse_broadcast_adapters(source)
+        elif source.transport is Transport.DISK and adapter.base != self._base:
+            directory, config, shapes = await asyncio.to_thread(verify_published, source)  # adapters and base
+            self._check_model(version, config, shapes)
+            base = directory.path
+            _, tensors = await asyncio.to_thread(read_published, source, adapter.base)  # its adapters alone
+        else:
+            config, tensors = await asyncio.to_thread(read_published, source, self._base)
+        carried, pairs = split_version(tensors)
+        if carried and adapter.base != self._base:
+            shapes = {name: tuple(t.shape) for name, t in carried.items()}
+            if isinstance(source, Published):
+                self._check_model(version, config, shapes)
+            else:
+                check_tensor_shapes(what, shapes, self._shapes)
+            base = carried
+        if base is None and adapter.base != self._base:
+            raise CorruptWeights(
+                f"{what}: adapters on base {adapter.base}, and this engine holds base {self._base}; it needs a "
+                "version that carries the base"
+            )
+        _check_adapters(what, adapter, pairs, self._shapes)
+        adapters = {name: tensors[name] for name in tensors if name not in carried}
+        await self._run(self._update_lora_on_loop(version, adapter, adapters, base))
+
+    def _check_lora_version(self, what: str, adapter: Adapter | None) -> None:
+        """SchemaError unless the engine serves LoRA and `adapter` fits what SGLang's LoRA started with."""
+        if self._lora is None:
+            raise SchemaError(
+                f"{what} adapter: a LoRA version ({adapter}), and this engine serves a whole model; SGLang "
+                "enables LoRA only at start: start the engine from a LoRA version"
+            )
+        if adapter is None:
+            raise SchemaError(
+                f"{what} adapter: none (a whole model's weights), and this engine serves LoRA adapters (it "
+                "started from a LoRA version); SGLangEngine does not leave LoRA mode: start another engine"
+            )
+        if adapter.rank > self._lora.rank:
+            raise SchemaError(
+                f"{what} adapter rank: {adapter.rank}, above the rank SGLang's LoRA started with "
+                f"({self._lora.rank}; max_lora_rank is fixed at start)"
+            )
+        if beyond := sorted(set(adapter.target_modules) - set(self._lora.target_modules)):
+            raise SchemaError(
+                f"{what} adapter target_modules: {beyond} beyond those SGLang's LoRA started with "
+                f"({sorted(self._lora.target_modules)}; fixed at start)"
+            )
 
     async def release(self) -> None:
         if self._on_gpu and not self._colocate:
@@ -658,28 +822,43 @@ class SGLangEngine(Engine):
         input_ids = request.prompt + request.output
         # The routing of positions len(input_ids) - 1 onwards: the forwards whose logits gave this attempt's tokens.
         routing = {"return_routed_experts": True, "routed_experts_start_len": len(input_ids) - 1}
+        base_version = self._base_version
         try:
-            out = await self._final_response(
-                GenerateReqInput(
-                    input_ids=input_ids,
-                    sampling_params=sampling,
-                    return_logprob=True,
-                    rid=request.rid,
-                    stream=True,
-                    **(routing if self._record_routing else {}),
+            with self._naming_adapter(request) as adapter:
+                out = await self._final_response(
+                    GenerateReqInput(
+                        input_ids=input_ids,
+                        sampling_params=sampling,
+                        return_logprob=True,
+                        rid=request.rid,
+                        stream=True,
+                        **(routing if self._record_routing else {}),
+                        **adapter,
+                    )
                 )
-            )
         finally:
             request.rid = None
         meta = out["meta_info"]
         output_ids = list(out["output_ids"])
+        logprobs = [logprob for logprob, _, _ in meta["output_token_logprobs"]]
+        versions = _versions_per_token(meta.get("weight_versions") or [], len(output_ids))
+        finish = _FINISH_REASONS[meta["finish_reason"]["type"]]
+        if request.adapter is not None:
+            # LoRA: SGLang's versions are its base's. Tokens after the base changed under the request (it
+            # slipped past the switch's abort) come from no published version: dropped, and produced again.
+            kept = next((i for i, v in enumerate(versions) if v != base_version), len(versions))
+            if kept < len(output_ids):
+                output_ids, logprobs, finish = output_ids[:kept], logprobs[:kept], FINISH_ABORT
+                request.interrupted = True
+            versions = [request.adapter] * kept
         request.output += output_ids
-        request.logprobs += [logprob for logprob, _, _ in meta["output_token_logprobs"]]
-        request.versions += _versions_per_token(meta.get("weight_versions") or [], len(output_ids))
+        request.logprobs += logprobs
+        request.versions += versions
         if request.routing is not None:
             layers, top_k = int(self.config["num_hidden_layers"]), int(self.config["num_experts_per_tok"])
-            request.routing.append(_routed_experts(meta, len(output_ids), layers, top_k))
-        return _FINISH_REASONS[meta["finish_reason"]["type"]]
+            count = len(meta["output_token_logprobs"])
+            request.routing.append(_routed_experts(meta, count, layers, top_k)[: len(output_ids)])
+        return finish
 
     async def _score_on_loop(self, input_ids: list[int], top_k: int, start: int) -> Scores:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -690,16 +869,18 @@ class SGLangEngine(Engine):
                 await self._admitted(None)
                 if self._closing:
                     raise EngineClosed("the engine was closed")
-                out = await self._final_response(
-                    GenerateReqInput(
-                        input_ids=input_ids,
-                        sampling_params={"max_new_tokens": 0},
-                        return_logprob=True,
-                        logprob_start_len=start,
-                        top_logprobs_num=top_k,
-                        rid=self._next_rid("score"),
+                with self._naming_adapter(None) as adapter:
+                    out = await self._final_response(
+                        GenerateReqInput(
+                            input_ids=input_ids,
+                            sampling_params={"max_new_tokens": 0},
+                            return_logprob=True,
+                            logprob_start_len=start,
+                            top_logprobs_num=top_k,
+                            rid=self._next_rid("score"),
+                            **adapter,
+                        )
                     )
-                )
                 meta = out["meta_info"]
                 if meta["finish_reason"]["type"] != "abort":
                     break
@@ -790,21 +971,30 @@ class SGLangEngine(Engine):
                 await self._unhold("update")
 
     async def _update_from_disk_on_loop(self, version: int, directory: Path) -> None:
-        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-
         async with self._held_for_update():
-            # load_format named: an engine started from tensors in memory has SGLang's "dummy" as its own
-            request = UpdateWeightFromDiskReqInput(
-                model_path=str(directory), load_format="auto", weight_version=str(version)
-            )
-            success, message, _ = await self._tokenizer_manager.update_weights_from_disk(request, None)
-            if not success:
-                raise SGLangError(f"weights v{version} from {directory}: {message}")
+            await self._load_directory(version, directory)
             self._version = version
 
+    async def _load_directory(self, version: int, directory: Path) -> None:
+        """SGLang loads the weights of `version` from `directory` (generation held)."""
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        # load_format named: an engine started from tensors in memory has SGLang's "dummy" as its own
+        request = UpdateWeightFromDiskReqInput(
+            model_path=str(directory), load_format="auto", weight_version=str(version)
+        )
+        success, message, _ = await self._tokenizer_manager.update_weights_from_disk(request, None)
+        if not success:
+            raise SGLangError(f"weights v{version} from {directory}: {message}")
+
     async def _update_from_tensors_on_loop(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        async with self._held_for_update():
+            await self._load_tensors(version, tensors)
+            self._version = version
+
+    async def _load_tensors(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """In a weight-update session (SGLang 0.5.23 refuses tensor updates outside one), one call per
-        flattened bucket; the last one flushes the cache and sets the version."""
+        flattened bucket; the last one flushes the cache and sets the version (generation held)."""
         from sglang.srt.managers.io_struct import (
             BeginWeightUpdateReqInput,
             EndWeightUpdateReqInput,
@@ -816,30 +1006,118 @@ class SGLangEngine(Engine):
             # CUDA tensors travel as IPC handles keyed by device uuid. (The patch breaks sharing CPU
             # tensors in this process, so only where there are CUDA tensors to send.)
             monkey_patch_torch_reductions()
-        async with self._held_for_update():
-            success, message = await self._tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None)
-            if not success:
-                raise SGLangError(f"weights v{version}: begin_weight_update: {message}")
+        success, message = await self._tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None)
+        if not success:
+            raise SGLangError(f"weights v{version}: begin_weight_update: {message}")
+        try:
+            buckets = bucket_names(tensors, self.bucket_bytes)
+            for i, names in enumerate(buckets):
+                payload, flat = await asyncio.to_thread(serialized_bucket, tensors, names)
+                last = i == len(buckets) - 1
+                request = UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=[payload] * self._sglang.server_args.tp_size,
+                    load_format="flattened_bucket",
+                    flush_cache=last,
+                    weight_version=str(version) if last else None,
+                )
+                success, message = await self._tokenizer_manager.update_weights_from_tensor(request, None)
+                del flat  # loaded: free it before the next bucket is built
+                if not success:
+                    raise SGLangError(f"weights v{version} (bucket {i}; weights may be partly loaded): {message}")
+        finally:
+            ended, end_message = await self._tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None)
+        if not ended:
+            raise SGLangError(f"weights v{version}: end_weight_update: {end_message}")
+
+    async def _update_lora_on_loop(
+        self,
+        version: int,
+        adapter: Adapter,
+        adapters: Mapping[str, torch.Tensor],
+        base: Path | Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Loads the version's adapter as SGLang's adapter "v{version}" while generation goes on; with a new
+        base (a directory or tensors), loads it next, generation held; then switches to the adapter."""
+        async with self._control:
+            await self._load_adapter(version, adapter, adapters)
+            if base is None:
+                self._switch_adapter(version)
+                return
+            await self._hold("update")
             try:
-                buckets = bucket_names(tensors, self.bucket_bytes)
-                for i, names in enumerate(buckets):
-                    payload, flat = await asyncio.to_thread(serialized_bucket, tensors, names)
-                    last = i == len(buckets) - 1
-                    request = UpdateWeightsFromTensorReqInput(
-                        serialized_named_tensors=[payload] * self._sglang.server_args.tp_size,
-                        load_format="flattened_bucket",
-                        flush_cache=last,
-                        weight_version=str(version) if last else None,
-                    )
-                    success, message = await self._tokenizer_manager.update_weights_from_tensor(request, None)
-                    del flat  # loaded: free it before the next bucket is built
-                    if not success:
-                        raise SGLangError(f"weights v{version} (bucket {i}; weights may be partly loaded): {message}")
+                await (self._load_directory if isinstance(base, Path) else self._load_tensors)(version, base)
+                self._base, self._base_version = adapter.base, version
+                self._switch_adapter(version)
             finally:
-                ended, end_message = await self._tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None)
-            if not ended:
-                raise SGLangError(f"weights v{version}: end_weight_update: {end_message}")
-            self._version = version
+                await self._unhold("update")
+
+    async def _load_adapter(self, version: int, adapter: Adapter, adapters: Mapping[str, torch.Tensor]) -> None:
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if version in self._adapters_loaded:
+            if version == self._adapter or self._adapter_users[version]:
+                raise SchemaError(f"weights v{version}: its adapter is loaded already and in use")
+            await self._unload_adapter(version)
+        on_host = {name: tensor.to(HOST) for name, tensor in adapters.items()}
+        payload = await asyncio.to_thread(MultiprocessingSerializer.serialize, on_host)
+        request = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=_adapter_name(version),
+            config_dict=adapter.peft_config(""),
+            serialized_named_tensors=[payload] * self._sglang.server_args.tp_size,
+        )
+        result = await self._tokenizer_manager.load_lora_adapter_from_tensors(request, None)
+        if not result.success:
+            raise SGLangError(f"weights v{version}: SGLang did not load the adapter: {result.error_message}")
+        self._adapters_loaded.add(version)
+
+    def _switch_adapter(self, version: int) -> None:
+        """Every SGLang request from now on names the adapter of `version`; those running on another adapter
+        are aborted and continue from their output so far (a running SGLang request cannot change adapter)."""
+        self._adapter = self._version = version
+        for request in self._requests.values():
+            if request.rid is not None and request.adapter != version:
+                request.interrupted = True
+                self._tokenizer_manager.abort_request(rid=request.rid)
+        self._unload_unused()
+
+    def _unload_unused(self) -> None:
+        """Unloads, in the background, the adapters of versions that no SGLang request names and that new ones
+        will not name. (SGLang's unload waits for the requests naming the adapter and holds every other load
+        meanwhile: only adapters no request names are unloaded.)"""
+        for version in sorted(self._adapters_loaded - {self._adapter}):
+            if not self._adapter_users[version]:
+                self._adapters_loaded.discard(version)
+                task = asyncio.ensure_future(self._unload_adapter(version))
+                self._unloading.add(task)
+                task.add_done_callback(self._unloading.discard)
+
+    async def _unload_adapter(self, version: int) -> None:
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        self._adapters_loaded.discard(version)
+        request = UnloadLoRAAdapterReqInput(lora_name=_adapter_name(version))
+        result = await self._tokenizer_manager.unload_lora_adapter(request, None)
+        if not result.success:
+            log.warning("SGLang did not unload the adapter of weights v%d: %s", version, result.error_message)
+
+    @contextlib.contextmanager
+    def _naming_adapter(self, request: _Request | None) -> Iterator[dict[str, str]]:
+        """The fields of an SGLang request that name the current adapter (none without LoRA); the adapter
+        counts as in use until the request ends."""
+        version = self._adapter
+        if request is not None:
+            request.adapter = version
+        if version is None:
+            yield {}
+            return
+        self._adapter_users[version] += 1
+        try:
+            yield {"lora_path": _adapter_name(version)}
+        finally:
+            self._adapter_users[version] -= 1
+            if version != self._adapter and not self._adapter_users[version]:
+                self._unload_unused()
 
     async def _update_from_broadcast_on_loop(self, version: int, published: Published) -> None:
         """Join the weight-sync group the first time (where the announcement says), then receive the
