@@ -106,8 +106,13 @@ def check_run(
     for engine in engines:
         loaded = records(run_dir, engine)[-1]["versions"]
         assert loaded == sorted(set(loaded)), "inference loaded versions in order, each once"
-    config = json.loads((run_dir / "final_weights" / "config.json").read_text())
-    assert config["architectures"] == [architecture] and (run_dir / "final_weights" / "model.safetensors").is_file()
+    final = run_dir / "final_weights"
+    if (final / "adapter_config.json").is_file():  # a LoRA run's: a PEFT adapter on the base it names
+        base = Path(json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"])
+        assert (final / "adapter_model.safetensors").is_file() and base.is_dir(), base
+        final = base
+    config = json.loads((final / "config.json").read_text())
+    assert config["architectures"] == [architecture] and (final / "model.safetensors").is_file()
     assert (run_dir / "reward_curve.png").is_file() and (run_dir / "tensorboard").is_dir()
     return metrics
 

@@ -415,6 +415,12 @@ def test_model_lora_is_the_trainer_s_lora_config_and_adapts_the_policy_only(tmp_
         ),
         (lambda t: with_lora(t, "rank = 0"), "recipe.model.lora: LoraConfig.rank: expected >= 1, got 0"),
         (lambda t: with_lora(t, "ranks = 8"), "recipe.model.lora: unknown field 'ranks'"),
+        (
+            lambda t: with_lora(t.replace("[sampling]", '[sampling]\nengine = "sglang"'), "").replace(
+                "seed = 0", 'seed = 0\npublish = "collective"'
+            ),
+            "recipe: publish: SGLang takes LoRA versions from disk or shared memory",
+        ),
     ],
 )
 def test_a_bad_lora_section_names_the_field(tmp_path, edit, needle):

@@ -1,10 +1,10 @@
 """`meshy sample RUN_DIR PROMPT...`: a run's trained weights answer prompts, on the CPU.
 
 The weights are the run's final_weights (its last version), or with --version N one the run kept as an HF
-directory: weights/vN (disk publishing keeps the newest few) or hf_versions/vN (recipe.hf_every). The
-model, dtype and tokenizer are the recipe's (the run directory's recipe.toml); each prompt is asked as the
-task asks its questions (in its chat template: task_prompt) and answered by the pure-torch engine, greedily
-unless --temperature says otherwise.
+directory (a LoRA run's: a PEFT adapter directory on the base it names): weights/vN (disk publishing keeps the
+newest few) or hf_versions/vN (recipe.hf_every). The model, dtype and tokenizer are the recipe's (the run
+directory's recipe.toml); each prompt is asked as the task asks its questions (in its chat template:
+task_prompt) and answered by the pure-torch engine, greedily unless --temperature says otherwise.
 """
 
 import asyncio
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshy.dataplane import SchemaError
+from meshy.dataplane.hf_directory import ADAPTER_CONFIG, CONFIG
+from meshy.dataplane.model_source import read_adapter_directory
 from meshy.infer.engine import SamplingParams
 from meshy.infer.torch_engine import TorchEngine
 from meshy.recipes.recipe import Recipe, load_recipe
@@ -39,11 +41,16 @@ def kept_versions(run_dir: Path, recipe: Recipe) -> dict[int, Path]:
     versions = {}
     for kept in (run_dir / PUBLISHED, run_dir / KEPT):
         for directory in kept.glob("v[0-9]*"):
-            if directory.name[1:].isdigit() and (directory / "config.json").is_file():
+            if directory.name[1:].isdigit() and _holds_weights(directory):
                 versions[int(directory.name[1:])] = directory
-    if (run_dir / FINAL / "config.json").is_file():
+    if _holds_weights(run_dir / FINAL):
         versions[recipe.steps] = run_dir / FINAL
     return dict(sorted(versions.items()))
+
+
+def _holds_weights(directory: Path) -> bool:
+    """An HF model directory, or a LoRA run's PEFT adapter directory."""
+    return (directory / CONFIG).is_file() or (directory / ADAPTER_CONFIG).is_file()
 
 
 def weights_of(run_dir: Path, recipe: Recipe, version: int | None) -> tuple[int, Path]:
@@ -51,7 +58,7 @@ def weights_of(run_dir: Path, recipe: Recipe, version: int | None) -> tuple[int,
     versions = kept_versions(run_dir, recipe)
     listed = ", ".join(map(str, versions)) or "none"
     if version is None:
-        if not (run_dir / FINAL / "config.json").is_file():
+        if not _holds_weights(run_dir / FINAL):
             raise SchemaError(
                 f"sample: {run_dir} has no {FINAL}/ (the run stopped before its last version, "
                 f"{recipe.steps}); kept versions, for --version N: {listed}"
@@ -99,8 +106,18 @@ def sample(
             f"--max-new-tokens: a prompt's tokens and {budget} new ones make {longest}, beyond the {positions} "
             f"positions of model {recipe.model.name!r}; expected fewer"
         )
+    source, adapter = weights, None
+    if (weights / ADAPTER_CONFIG).is_file():  # a LoRA run's version: the adapters on the base they name
+        config, tensors, adapter = read_adapter_directory(weights)
+        source = (config, tensors)
     engine = TorchEngine(
-        weights, max_running=len(inputs), max_len=longest, device="cpu", dtype=recipe.model.dtype, version=version
+        source,
+        max_running=len(inputs),
+        max_len=longest,
+        device="cpu",
+        dtype=recipe.model.dtype,
+        version=version,
+        adapter=adapter,
     )
     outputs = asyncio.run(_generate(engine, inputs, params))
     how = "greedy" if temperature == 0 else f"temperature {temperature}"

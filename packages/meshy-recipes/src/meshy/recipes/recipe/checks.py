@@ -61,6 +61,11 @@ def check_run(recipe: Recipe) -> None:
         raise SchemaError(f'delta: sending only what changed needs publish = "collective", got "{recipe.publish}"')
     if recipe.algorithm.routing_replay:
         _check_routing_replay(recipe)
+    if recipe.model.lora is not None and recipe.sampling.engine == "sglang" and recipe.publish is Transport.COLLECTIVE:
+        raise SchemaError(
+            "publish: SGLang takes LoRA versions from disk or shared memory (its weight-sync receive loads whole "
+            'models only); expected "disk" or "shared-memory" with model.lora and sampling.engine = "sglang"'
+        )
     _check_context_length(recipe)
     _check_eval(recipe)
     check_dataflow(recipe)

@@ -4,6 +4,7 @@ import asyncio
 import dataclasses
 
 from meshy.dataplane import GpuTokenRing
+from meshy.dataplane.adapters import Adapter
 from meshy.dataplane.model_source import ModelSource
 from meshy.dataplane.weights import WEIGHTS_STREAM, Published, Transport
 from meshy.infer.engine import Engine
@@ -24,10 +25,11 @@ class InferenceRole:
         self.ctx.watch_for_stop()
         asyncio.run(self._serve())
 
-    def _first_weights(self, ring: GpuTokenRing | None) -> tuple[int, ModelSource] | None:
-        """The first version announced, and where to read it; a broadcast version is received here (every
-        broadcast is joined, in order: the publisher waits for every engine). Colocated, the token goes on
-        meanwhile to every member that asks for it (training builds and publishes in its turns)."""
+    def _first_weights(self, ring: GpuTokenRing | None) -> tuple[int, ModelSource, Adapter | None] | None:
+        """The first version announced, where to read it and its adapters (a LoRA version's); a broadcast
+        version is received here (every broadcast is joined, in order: the publisher waits for every engine).
+        Colocated, the token goes on meanwhile to every member that asks for it (training builds and publishes
+        in its turns)."""
         reader = self.ctx.client.reader(WEIGHTS_STREAM, f"inference-{self.ctx.slot.index}-start", start=1)
         try:
             while not self.ctx.stop.is_set():
@@ -41,7 +43,7 @@ class InferenceRole:
                     received = collective and self.ctx.weight_sync is not None
                     source = self.ctx.weight_sync.receive(published) if received else published
                 if messages:
-                    return published.version, source
+                    return published.version, source, published.adapter
             return None
         finally:
             reader.close()
@@ -91,12 +93,16 @@ class InferenceRole:
         first = await asyncio.to_thread(self._first_weights, ring)
         if first is None:
             return None
-        version, source = first
+        version, source, adapter = first
         colocated = ctx.slot.ring is not None
         replay = ctx.recipe.algorithm.routing_replay
-        self.engine = await build_holding_token(
-            ctx, ring, lambda: build_engine(ctx, source, colocate=colocated, version=version, record_routing=replay)
-        )
+
+        def build() -> Engine:
+            return build_engine(
+                ctx, source, colocate=colocated, version=version, record_routing=replay, adapter=adapter
+            )
+
+        self.engine = await build_holding_token(ctx, ring, build)
         if self.engine is None:
             return None
         if ctx.slot.index == 0:

@@ -1,9 +1,10 @@
 """The reference policy's weights: the policy's version 0, kept for the whole run.
 
 The training role writes them when the run starts from version 0 (`run_dir/reference/v000000`, an HF
-directory in the model dtype, with its announcement beside it in `published.json`) and announces them
-on the `reference` stream at every start: a resumed run announces the saved copy again, since version 0
-is long gone from the `weights` stream and directory by then. The reference role loads what the stream
+directory in the model dtype, with its announcement beside it in `published.json`; a LoRA policy's as a whole
+model, its adapters, still zero, merged) and announces them on the `reference` stream at every start: a resumed
+run announces the saved copy again, since version 0 is long gone from the `weights` stream and directory by
+then. The reference role loads what the stream
 announces, verified against its checksum.
 """
 
@@ -35,7 +36,7 @@ def publish_reference(
     if version == 0:
         if lead:  # a start that stopped before its first checkpoint may have written them already
             shutil.rmtree(root, ignore_errors=True)
-        published = DirectoryPublisher(root, arch, dtype=ctx.recipe.model.dtype).publish(model, 0)
+        published = DirectoryPublisher(root, arch, dtype=ctx.recipe.model.dtype, adapters=False).publish(model, 0)
         if published is None:
             return
         partial = saved.with_suffix(f".tmp{os.getpid()}")

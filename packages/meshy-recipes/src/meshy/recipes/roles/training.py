@@ -25,6 +25,8 @@ from meshy.train.service import MetricsLog, TrainingService, TrainServiceConfig
 from meshy.train.trainer import PolicyTrainer
 
 KEPT = "hf_versions"  # the run's every hf_every-th version (recipe.hf_every)
+LORA_BASE_ROOT = "lora"  # where a LoRA run's final adapters find their base (lora/base), unless published on disk
+MERGED_ROOT = "merged"  # where the merged final model is written before it moves into final_weights/merged
 
 
 class TrainingRole:
@@ -127,9 +129,10 @@ class TrainingRole:
                 self._final_eval(progress, results)
         if self.lead:
             curve = progress.close(ctx.recipe.name)
+            kind = "HF" if ctx.recipe.model.lora is None else "a PEFT adapter; its base: adapter_config.json"
             announce_stop(ctx.client, f"trained {steps} versions")
             print(
-                f"run directory: {ctx.run_dir}\n  final weights (HF): {final}\n  reward curve: {curve}\n"
+                f"run directory: {ctx.run_dir}\n  final weights ({kind}): {final}\n  reward curve: {curve}\n"
                 f"  metrics: {ctx.run_dir / 'metrics.jsonl'} and {ctx.run_dir / 'tensorboard'}",
                 flush=True,
             )
@@ -203,7 +206,9 @@ class TrainingRole:
 
     def _keep_final_weights(self) -> Path:
         """The last version as an HF directory, in the dtype every version was published in, whatever the
-        transport; every rank calls it (gathering the model is a collective)."""
+        transport; every rank calls it (gathering the model is a collective). Under LoRA, a PEFT adapter
+        directory whose adapter_config.json names its base (the disk publisher's weights/base, or lora/base
+        written here), with the merged model in merged/ when model.lora.merge_final says so."""
         final = self.ctx.run_dir / "final_weights"
         if isinstance(self.publisher, DirectoryPublisher):
             if self.lead:
@@ -211,14 +216,22 @@ class TrainingRole:
                     self.ctx.run_dir / "weights" / f"v{self.service.version:06d}", final, dirs_exist_ok=True
                 )
         else:  # shared-memory and broadcast versions vanish with the run: write the last one to disk
-            dtype = self.ctx.recipe.model.dtype
-            published = DirectoryPublisher(self.ctx.run_dir / "final", self.arch, None, dtype=dtype).publish(
-                self.trainer.model, self.service.version
-            )
-            if self.lead:
-                shutil.rmtree(final, ignore_errors=True)
-                Path(published.location).rename(final)
-                (self.ctx.run_dir / "final").rmdir()
+            self._write_final(LORA_BASE_ROOT, final)
+        lora = self.ctx.recipe.model.lora
+        if lora is not None and lora.merge_final:
+            self._write_final(MERGED_ROOT, final / "merged", adapters=False)
         if self.lead:
             self.ctx.record(RecordKind.FINAL, path=str(final), stream=WEIGHTS_STREAM)
         return final
+
+    def _write_final(self, root: str, directory: Path, adapters: bool = True) -> None:
+        """Write the last version under run_dir/root and move it to `directory` (a LoRA version's base stays
+        under root, where its adapter_config.json points)."""
+        dtype = self.ctx.recipe.model.dtype
+        publisher = DirectoryPublisher(self.ctx.run_dir / root, self.arch, None, dtype=dtype, adapters=adapters)
+        published = publisher.publish(self.trainer.model, self.service.version)
+        if self.lead:
+            shutil.rmtree(directory, ignore_errors=True)
+            Path(published.location).rename(directory)
+            if published.adapter is None:
+                (self.ctx.run_dir / root).rmdir()
