@@ -85,13 +85,15 @@ def run_miniature(name: str, tmp_path: Path, engine: str) -> Path:
     for ring in recipe.colocate:
         for index in range(min(getattr(recipe.roles, role).processes for role in ring)):
             check_turns(run_dir, list(ring), index)
-    final = load_file(run_dir / "final_weights" / "model.safetensors")
+    # A LoRA run's final_weights/ (and kept versions) are PEFT adapters (meshy.recipes.roles.training)
+    weights = "adapter_model.safetensors" if recipe.model.lora is not None else "model.safetensors"
+    final = load_file(run_dir / "final_weights" / weights)
     if recipe.model.dtype == "bfloat16":  # whatever the transport (shared memory and broadcasts wrote float32)
         assert {t.dtype for t in final.values()} == {torch.bfloat16}
     if recipe.hf_every:
         kept = sorted((run_dir / "hf_versions").iterdir())
         assert [p.name for p in kept] == [f"v{v:06d}" for v in range(0, STEPS + 1, recipe.hf_every)]
-        last = load_file(kept[-1] / "model.safetensors")
+        last = load_file(kept[-1] / weights)
         assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in final)
     if recipe.checkpoint_every:
         saved = [checkpoint.step_of(p) for p in checkpoint.saved(run_dir / "checkpoints")]

@@ -13,6 +13,7 @@ EXPECTED_GPUS = {
     "qwen3-1.7b-grpo-dapo-8gpu": 8,
     "qwen3-1.7b-python-math-8gpu": 8,
     "qwen3-8b-grpo-dapo-8gpu": 8,
+    "qwen3-8b-grpo-dapo-lora-1gpu": 1,
     "qwen3-30b-a3b-grpo-dapo-8gpu": 8,
     "qwen3-1.7b-grpo-dapo-2x8gpu": 8,  # GPUs per node (EXPECTED_NODES)
     "qwen3-30b-a3b-grpo-dapo-2x8gpu": 8,

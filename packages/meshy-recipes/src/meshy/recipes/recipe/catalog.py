@@ -70,7 +70,12 @@ def mode(recipe: Recipe) -> str:
         pacing = "on-policy"
     else:
         pacing = f"off-policy (W={window})"
-    return f"{recipe.algorithm.kind}, {pacing}" + (", multi-turn" if recipe.multi_turn else "")
+    lora = recipe.model.lora
+    return (
+        f"{recipe.algorithm.kind}, {pacing}"
+        + (", multi-turn" if recipe.multi_turn else "")
+        + (f", LoRA r{lora.rank}" if lora is not None else "")
+    )
 
 
 def listing() -> str:
