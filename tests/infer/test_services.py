@@ -170,11 +170,26 @@ def test_a_new_version_mid_generation_is_loaded_and_every_token_keeps_its_versio
     assert any(set(v.tolist()) == {2} for v in batch.columns[cols.TOKEN_VERSIONS])
 
 
-@pytest.mark.parametrize("update_mode", ["abort", "in_place"])
-def test_an_adapter_switch_mid_generation_keeps_every_token_s_version(update_mode, client, unique, tmp_path):
+class CountingPauses(TorchEngine):
+    """A TorchEngine that counts the service's pauses, and may say it switches adapters live (as SGLangEngine
+    with LoRA does: then the service must not hold generation for a LoRA version)."""
+
+    def __init__(self, *args, live: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.switches_adapters_live = live
+        self.pauses = 0
+
+    async def pause(self) -> None:
+        self.pauses += 1
+        await super().pause()
+
+
+@pytest.mark.parametrize(("update_mode", "live"), [("abort", False), ("in_place", False), ("abort", True)])
+def test_an_adapter_switch_mid_generation_keeps_every_token_s_version(update_mode, live, client, unique, tmp_path):
     """LoRA versions: the engine starts from v1 (base and adapters), v2 (adapters only) lands mid-generation.
     Every token's recorded version is the one whose adapters produced it: a token of v1 has v1's logprob, and
-    with update_mode abort (the prefix recomputed under the new weights) a token of v2 has v2's."""
+    with update_mode abort (the prefix recomputed under the new weights) a token of v2 has v2's. An engine that
+    switches adapters live is neither paused nor its requests aborted by the service."""
     from meshy.train.parallel import load_weights
     from meshy.train.training_config import LoraConfig
 
@@ -193,7 +208,7 @@ def test_an_adapter_switch_mid_generation_keeps_every_token_s_version(update_mod
         poll_s=0.05,
         update_mode=update_mode,
     )
-    e = TorchEngine(first, max_running=1, max_len=128)  # one request at a time: the update lands mid-run
+    e = CountingPauses(first, max_running=1, max_len=128, live=live)  # one request at a time: lands mid-run
     service = InferenceService(client, e, config)
 
     async def serve():
@@ -228,14 +243,15 @@ def test_an_adapter_switch_mid_generation_keeps_every_token_s_version(update_mod
             for version, reference in references.items():
                 scored = torch.tensor((await reference.score(sequence, start=3)).token_logprobs)
                 mine = torch.tensor(v) == version
-                if mine.any() and (version == 1 or update_mode == "abort"):
+                if mine.any() and (version == 1 or (update_mode == "abort" and not live)):
                     assert (scored[mine] - logprobs[mine]).abs().max().item() <= 1e-4, (version, v)
         for reference in references.values():
             await reference.close()
         return switches
 
     assert asyncio.run(check()) >= 1, "a request spanned the update, its prefix kept version 1"
-    assert (stats.continued >= 1) == (update_mode == "abort")
+    assert (stats.continued >= 1) == (update_mode == "abort" and not live)
+    assert (e.pauses == 0) == live
 
 
 def test_prompts_written_after_a_version_was_announced_are_generated_by_that_version(client, unique, tmp_path):

@@ -92,13 +92,16 @@ class Engine(abc.ABC):
     `score` check theirs here, for every engine, before the engine's `_generate` / `_score` sees them.
     `records_routing`: every Generation carries routed_experts (a mixture-of-experts model on an engine
     that records its routing). `lora_base`: the checksum of the LoRA base the engine holds (Adapter.base of
-    the last version that carried one; None after a whole version)."""
+    the last version that carried one; None after a whole version). `switches_adapters_live`: the engine loads a
+    LoRA version's adapters while it generates and moves its requests onto them itself, each token keeping its
+    adapter's version (SGLangEngine with LoRA), so whoever updates it need not hold generation for them."""
 
     weight_version: int
     vocab_size: int
     max_len: int
     records_routing: bool = False
     lora_base: str | None = None
+    switches_adapters_live: bool = False
 
     async def generate(self, request_id: str, input_ids: list[int], params: SamplingParams) -> Generation:
         """Generate a continuation; returns when it finishes (stop, length or abort)."""

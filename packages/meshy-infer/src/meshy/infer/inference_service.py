@@ -402,11 +402,17 @@ class InferenceService:
 
     async def _load(self, version: int, source: WeightsSource, adapter: Adapter | None = None) -> None:
         """Pause, abort what is in flight (it continues from its prefix), load, resume. `adapter`: a received
-        LoRA version's, from its announcement."""
-        self._updating.clear()
+        LoRA version's, from its announcement. Adapters of an engine that switches them live load without a
+        pause (the engine moves its requests onto them)."""
+        if adapter is None and isinstance(source, Published):
+            adapter = source.adapter
+        held = adapter is None or not self.engine.switches_adapters_live
+        if held:
+            self._updating.clear()
         try:
-            await self.engine.pause()
-            if self.config.update_mode == "abort":
+            if held:
+                await self.engine.pause()
+            if held and self.config.update_mode == "abort":
                 for request_id in list(self._requests.values()):
                     self._aborted_for_update.add(request_id)
                     await self.engine.abort(request_id)
@@ -414,8 +420,9 @@ class InferenceService:
             self.stats.weight_updates += 1
             self.stats.versions.append(version)
         finally:
-            self._updating.set()
-            await self.engine.resume()
+            if held:
+                self._updating.set()
+                await self.engine.resume()
 
 
 def _carries_base(tensors: dict[str, torch.Tensor]) -> bool:

@@ -616,6 +616,11 @@ class SGLangEngine(Engine):
         return self._base
 
     @property
+    def switches_adapters_live(self) -> bool:
+        """With LoRA, a version's adapter loads while generation goes on, and requests move onto it here."""
+        return self._lora is not None
+
+    @property
     def pause_mode(self) -> str:
         """How generation is held: "retract" or "abort" (may change whenever; the next hold uses it;
         always "abort" while routing is recorded)."""
