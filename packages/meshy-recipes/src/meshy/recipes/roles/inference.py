@@ -3,8 +3,10 @@
 import asyncio
 import dataclasses
 
+import torch
+
 from meshy.dataplane import GpuTokenRing
-from meshy.dataplane.adapters import Adapter
+from meshy.dataplane.adapters import Adapter, is_adapter_tensor
 from meshy.dataplane.model_source import ModelSource
 from meshy.dataplane.weights import WEIGHTS_STREAM, Published, Transport
 from meshy.infer.engine import Engine
@@ -36,17 +38,32 @@ class InferenceRole:
                 if ring is not None:
                     ring.poll()
                 messages = reader.read(max_n=1024, timeout=POLL_S)
+                base: dict[str, torch.Tensor] = {}  # a broadcast LoRA base received with an earlier version
                 for message in messages:
                     published = Published.from_message(message.payload)
                     collective = published.transport is Transport.COLLECTIVE
                     # (with SGLang, the engine joins and receives it itself, once built from the announcement)
-                    received = collective and self.ctx.weight_sync is not None
-                    source = self.ctx.weight_sync.receive(published) if received else published
+                    source = published
+                    if collective and self.ctx.weight_sync is not None:
+                        source, base = self._receive(published, base)
                 if messages:
                     return published.version, source, published.adapter
             return None
         finally:
             reader.close()
+
+    def _receive(
+        self, published: Published, base: dict[str, torch.Tensor]
+    ) -> tuple[tuple[dict, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """A broadcast version received whole, and the LoRA base it carries or that an earlier one carried
+        (a version after the first carries its adapters only: they are added to that base)."""
+        held = published.adapter.base if published.adapter is not None and base else None
+        config, tensors = self.ctx.weight_sync.receive(published, held_base=held)
+        if published.adapter is None:
+            return (config, tensors), {}
+        adapters = {name: tensor for name, tensor in tensors.items() if is_adapter_tensor(name)}
+        base = {name: tensor for name, tensor in tensors.items() if name not in adapters} or base
+        return (config, {**base, **adapters}), base
 
     async def _join_ring(self) -> GpuTokenRing | None:
         """As the ring's FALLBACK member: hand the devices over when asked (pause, release memory) and
