@@ -1,6 +1,7 @@
 """meshy.train against plain torch, in one run, on this machine.
 
-    uv run python bench/train_step.py [--steps 20] [--publish-model qwen3-0.6b]
+    uv run python bench/train_step.py [--steps 20] [--publish-model qwen3-0.6b] [--lora]
+    uv run python bench/train_step.py --lora-only [--lora-model smollm2-135m] [--lora-ranks 8 32]
     python bench/train_step.py --device cuda --model qwen3-0.6b --dtype bfloat16 --activation-checkpoint full \\
         --groups 4 --response 1984 --skip-publish
 
@@ -11,11 +12,19 @@ model is built by the same `build_model` for both: float32 weights, compute in t
 and MFU: model FLOPs per token 6 x parameters (the tied head counted once, an untied input embedding
 not at all: a lookup) + 12 x layers x heads x head_dim x sequence (attention), as torchtitan counts
 them, over `--peak-tflops` (H100/H200 dense bfloat16: 989).
+LoRA against full fine-tuning (--lora, --lora-only): PolicyTrainer steps on the same batches of
+`--lora-model` (default smollm2-135m, 4 rows x 256 tokens), every weight trained against adapters of
+`--lora-ranks` on the attention's projections and on every projection; step time (median) and peak
+memory, each variant in a fresh process: on the CPU the peak resident memory above what the process held
+before building the model (weights, gradients, optimizer state, activations), on CUDA torch's peak
+allocated memory.
 Publish time: DirectoryPublisher (gather, HF names, bf16, safetensors, checksum, atomic rename)
 against a raw `safetensors.torch.save_file` of the same tensors.
 """
 
 import argparse
+import multiprocessing
+import resource
 import statistics
 import tempfile
 import time
@@ -32,8 +41,8 @@ from meshy.train.models import DecoderArch, get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DTYPES, DirectoryPublisher, hf_tensors
 from meshy.train.service import TrainingService, TrainServiceConfig
-from meshy.train.trainer import PolicyTrainer
-from meshy.train.training_config import LossConfig, OptimConfig, ParallelConfig
+from meshy.train.trainer import PolicyBatch, PolicyTrainer
+from meshy.train.training_config import LoraConfig, LossConfig, OptimConfig, ParallelConfig
 
 LR, CLIP_LOW, CLIP_HIGH, TIS_LOW, TIS_HIGH = 1e-4, 0.2, 0.28, 0.5, 5.0
 
@@ -145,6 +154,85 @@ def step_times(args: argparse.Namespace, arch: DecoderArch, shape: Shape) -> dic
     return {name: values[2:] for name, values in times.items()}  # the first steps warm up allocators (and compile)
 
 
+ATTENTION = ("wq", "wk", "wv", "wo")
+EVERY_PROJECTION = (*ATTENTION, "w1", "w2", "w3")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    lora: LoraConfig | None
+
+
+def lora_variants(ranks: list[int]) -> list[Variant]:
+    variants = [Variant("full fine-tuning", None)]
+    for targets, what in ((ATTENTION, "attention"), (EVERY_PROJECTION, "all projections")):
+        variants += [Variant(f"LoRA r={r}, {what}", LoraConfig(rank=r, alpha=2.0 * r, targets=targets)) for r in ranks]
+    return variants
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def measure_variant(args: argparse.Namespace, variant: Variant) -> dict[str, float]:
+    """In a fresh process: a trainer of the variant takes `--lora-steps` steps (after 2 not timed) on the
+    same batches as every other variant; its median step time, peak memory and trainable parameters."""
+    device, arch = torch.device(args.device), get_model(args.lora_model)
+    before = _resident_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    parallel = ParallelConfig(activation_checkpoint=args.activation_checkpoint)
+    model, _ = build_model(arch, parallel, device=device, dtype=args.dtype, seed=0, lora=variant.lora)
+    trainer = PolicyTrainer(model, OptimConfig(lr=LR), LossConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH))
+    shape = Shape(1, args.lora_rows, args.prompt, args.lora_tokens - args.prompt)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    times = []
+    for step in range(args.lora_steps + 2):
+        data = {k: v.to(device) for k, v in rows(step, arch.vocab_size, shape).items()}
+        tokens = torch.cat([data["prompt"], data["response"]], dim=1)
+        mask = torch.zeros(shape.rows, tokens.shape[1] - 1, device=device)
+        mask[:, shape.prompt - 1 :] = 1.0
+        rollout = torch.zeros_like(mask)
+        rollout[:, shape.prompt - 1 :] = data["rollout_logprobs"]
+        batch = PolicyBatch(tokens, mask, data["advantage"][:, 0], rollout_logprobs=rollout)
+        sync()
+        start = time.perf_counter()
+        trainer.step(batch)
+        sync()
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:  # ru_maxrss: KiB on Linux
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"ms": statistics.median(times[2:]) * 1e3, "peak_mib": peak / 2**20, "trainable": trainable}
+
+
+def lora_table(args: argparse.Namespace) -> None:
+    variants = lora_variants(args.lora_ranks)
+    results = {}
+    spawn = multiprocessing.get_context("spawn")
+    for variant in variants:  # one process each: a peak is the variant's own
+        with spawn.Pool(1) as pool:
+            results[variant.name] = pool.apply(measure_variant, (args, variant))
+    memory = "peak resident memory above the process before the build" if args.device == "cpu" else "peak allocated"
+    print(
+        f"\nLoRA vs full fine-tuning, {args.lora_model} on {args.device}, {args.dtype} compute, PolicyTrainer steps of "
+        f"{args.lora_rows} rows x {args.lora_tokens} tokens, median of {args.lora_steps}; memory: {memory}\n"
+    )
+    columns = f"| {'variant':<28} | {'trainable params':>16} | {'ms/step':>8} | {'vs full':>7} | {'peak MiB':>8} |"
+    print(f"{columns} {'vs full':>7} |")
+    print(f"|{'-' * 30}|{'-' * 18}|{'-' * 10}|{'-' * 9}|{'-' * 10}|{'-' * 9}|")
+    full = results[variants[0].name]
+    for name, r in results.items():
+        print(
+            f"| {name:<28} | {r['trainable']:>16,} | {r['ms']:>8.1f} | {r['ms'] / full['ms']:>6.2f}x | "
+            f"{r['peak_mib']:>8.0f} | {r['peak_mib'] / full['peak_mib']:>6.2f}x |"
+        )
+
+
 def publish_times(model_name: str, dtype: str, reps: int) -> tuple[list[float], list[float]]:
     """Raw save_file of the final tensors (already in `dtype`) against publishing from the model."""
     arch = get_model(model_name)
@@ -180,7 +268,18 @@ def main() -> None:
     parser.add_argument("--publish-model", default="qwen3-0.6b")
     parser.add_argument("--publish-reps", type=int, default=5)
     parser.add_argument("--skip-publish", action="store_true")
+    parser.add_argument("--lora-model", default="smollm2-135m")
+    parser.add_argument("--lora-ranks", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--lora-rows", type=int, default=4)
+    parser.add_argument("--lora-tokens", type=int, default=256, help="tokens per row, prompt (--prompt) included")
+    parser.add_argument("--lora-steps", type=int, default=5)
+    parser.add_argument("--lora", action="store_true", help="the LoRA vs full fine-tuning table too, first")
+    parser.add_argument("--lora-only", action="store_true", help="the LoRA vs full fine-tuning table alone")
     args = parser.parse_args()
+    if args.lora or args.lora_only:
+        lora_table(args)
+    if args.lora_only:
+        return
     arch, shape = get_model(args.model), Shape(args.groups, args.group, args.prompt, args.response)
     results = {name: statistics.median(values) for name, values in step_times(args, arch, shape).items()}
     flops = flops_per_token(arch, shape.prompt + shape.response)
