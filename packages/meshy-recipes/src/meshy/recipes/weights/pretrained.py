@@ -82,7 +82,8 @@ def check_init(init: str, arch: DecoderArch) -> None:
 
 def load_init(model: torch.nn.Module, arch: DecoderArch, init: str) -> None:
     """Load the weights `init` names into a (possibly sharded) model of shape `arch`; "scratch" keeps
-    the model as built."""
+    the model as built. A model with adapters (model.lora) takes them as its base, its adapters untouched:
+    a LoRA checkpoint holds no base, so a resumed LoRA run loads `init` too (before the checkpoint)."""
     from meshy.train.parallel import load_weights  # torchtitan: only processes that train import it
 
     if init != SCRATCH:
