@@ -32,7 +32,7 @@ from meshy.dataplane.weights import CorruptWeights, Published, Transport, read_p
 from meshy.infer.engine import FINISH_ABORT, FINISH_LENGTH
 from meshy.infer.torch_engine import TorchEngine
 from meshy.train.logprobs import forward_logits, token_logprobs
-from meshy.train.lora import apply_lora, peft_state_dict
+from meshy.train.lora import adapter_tensors, apply_lora
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import CollectivePublisher, DirectoryPublisher, SharedMemoryPublisher
@@ -602,7 +602,7 @@ class LoraRun:
                 if "lora_B" in name:
                     parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
             logprobs = token_logprobs(forward_logits(self.model, SCORED), SCORED)
-        adapters = {name: tensor.detach().clone().contiguous() for name, tensor in peft_state_dict(self.model).items()}
+        adapters = {name: tensor.detach().clone().contiguous() for name, tensor in adapter_tensors(self.model)}
         directory = self.root / f"v{version:06d}"
         directory.mkdir()
         save_file(adapters, directory / "adapter_model.safetensors", metadata={"format": "pt"})

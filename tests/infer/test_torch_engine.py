@@ -21,7 +21,7 @@ from meshy.infer.slot_state import HELD, POSITION
 from meshy.infer.torch_engine import ADMISSION_SHARE, TorchEngine, _Request, _Scheduler
 from meshy.infer.torch_model import DecoderModel, ModelConfig, load_model
 from meshy.train.logprobs import forward_logits, token_logprobs
-from meshy.train.lora import peft_state_dict
+from meshy.train.lora import adapter_tensors
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, SharedMemoryPublisher, hf_tensors
@@ -654,7 +654,7 @@ async def test_lora_versions_score_the_trainers_logprobs_and_update_without_the_
     for version in (2, 3):
         nudge_adapters(model, seed=version)
         published = publisher.publish(model, version)
-        source = published if version == 2 else dict(peft_state_dict(model))
+        source = published if version == 2 else dict(adapter_tensors(model))
         await engine.update_weights(version, source, None if version == 2 else published.adapter)
         assert engine.weight_version == version and engine.lora_base == first.adapter.base
         assert (await scores(engine, tokens) - trainer_logprobs(model, tokens)).abs().max().item() <= 1e-5

@@ -3,6 +3,7 @@ merged weights are the adapted model."""
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +20,7 @@ from meshy.train.lora import (
     apply_lora,
     base_tensors,
     lora_config_of,
-    merged_state,
     merged_tensors,
-    peft_state_dict,
-    save_adapter,
 )
 from meshy.train.models import get_model
 from meshy.train.parallel import build_model, load_weights
@@ -89,7 +87,7 @@ def test_new_adapters_leave_the_logits_exactly_as_they_were(model_name):
 
 
 @pytest.mark.parametrize("model_name", ["qwen3-tiny", "minicpm5-tiny"])
-def test_peft_loads_the_saved_adapter_onto_the_hf_model_with_our_logits(model_name, tmp_path):
+def test_peft_loads_a_published_adapter_onto_the_hf_model_with_our_logits(model_name, tmp_path):
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -100,14 +98,14 @@ def test_peft_loads_the_saved_adapter_onto_the_hf_model_with_our_logits(model_na
     config = LoraConfig(rank=4, alpha=8.0, dropout=0.1, targets=EVERY_PROJECTION)
     apply_lora(model, config)
     train(model, arch.vocab_size, steps=3)
-    directory = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=base_dir)
+    directory = Path(DirectoryPublisher(tmp_path / "lora", arch, dtype="float32").publish(model, 1).location)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         peft_model = PeftModel.from_pretrained(hf, directory).eval()
     saved = load_file(directory / "adapter_model.safetensors")
-    assert saved.keys() == get_peft_model_state_dict(peft_model).keys() == peft_state_dict(model).keys()
+    assert saved.keys() == get_peft_model_state_dict(peft_model).keys() == dict(adapter_tensors(model)).keys()
     assert peft_model.peft_config["default"].r == 4 and peft_model.peft_config["default"].lora_alpha == 8.0
     assert all(saved[name].abs().max() > 0 for name in saved if ".lora_B." in name), "trained adapters"
     model.eval()  # no dropout, as PEFT's eval mode
@@ -127,7 +125,7 @@ def test_the_merged_weights_give_the_adapted_models_logits():
     plain, _ = build_model(arch, ParallelConfig(), device="cpu", seed=5)
     apply_lora(model, LoraConfig(rank=4, targets=("wq", "wv", "w2")))
     train(model, arch.vocab_size, steps=3)
-    merged = merged_state(model)
+    merged = dict(merged_tensors(model))
     assert merged.keys() == plain.state_dict().keys()
     plain.load_state_dict(merged)
     tokens, _ = tokens_and_mask(arch.vocab_size, seed=7)
@@ -200,7 +198,7 @@ def test_a_mixtures_attention_can_be_adapted():
     arch = get_model("qwen3-tiny-moe")
     model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=8)
     apply_lora(model, LoraConfig(rank=2, targets=("wq", "wo")))
-    assert {name.split(".")[-3] for name in peft_state_dict(model)} == {"q_proj", "o_proj"}
+    assert {name.split(".")[-3] for name in dict(adapter_tensors(model))} == {"q_proj", "o_proj"}
     train(model, arch.vocab_size, steps=1)
 
 
@@ -225,15 +223,16 @@ def test_build_model_adds_adapters_to_the_base_it_builds_without_them(activation
     assert all(torch.equal(merged[name], value) for name, value in plain.state_dict().items()), "B starts at 0"
 
     apply_lora(plain, config, seed=3)
-    assert peft_state_dict(model).keys() == peft_state_dict(plain).keys()
-    assert all(torch.equal(a, peft_state_dict(plain)[name]) for name, a in adapter_tensors(model))
+    assert dict(adapter_tensors(model)).keys() == dict(adapter_tensors(plain)).keys()
+    assert all(torch.equal(a, dict(adapter_tensors(plain))[name]) for name, a in adapter_tensors(model))
     other, _ = build_model(arch, ParallelConfig(), device="cpu", seed=4, lora=config)
-    a_name = next(name for name in peft_state_dict(model) if name.endswith(".lora_A.weight"))
-    assert not torch.equal(peft_state_dict(other)[a_name], peft_state_dict(model)[a_name]), "A comes from the seed"
+    a_name = next(name for name in dict(adapter_tensors(model)) if name.endswith(".lora_A.weight"))
+    other_a, model_a = (dict(adapter_tensors(m))[a_name] for m in (other, model))
+    assert not torch.equal(other_a, model_a), "A comes from the seed"
     wq = model.layers["0"].attention.qkv_linear.wq
     assert (wq.rank, wq.alpha, wq.scale) == (4, config.alpha, config.alpha / 4)
 
-    trained = [peft_state_dict(train(one, arch.vocab_size, steps=2).model) for one in (model, plain)]
+    trained = [dict(adapter_tensors(train(one, arch.vocab_size, steps=2).model)) for one in (model, plain)]
     for name, value in trained[0].items():
         assert torch.allclose(value, trained[1][name], rtol=1e-5, atol=1e-7), name
         assert ".lora_A." in name or value.abs().max() > 0, f"{name} did not train"
@@ -256,7 +255,7 @@ def test_hf_weights_load_into_the_base_of_an_adapted_model_and_leave_its_adapter
     source, _ = build_model(arch, ParallelConfig(), device="cpu", seed=1)
     model, _ = build_model(arch, ParallelConfig(), device="cpu", seed=2, lora=LoraConfig(rank=2))
     train(model, arch.vocab_size, steps=1)
-    adapters = peft_state_dict(model)
+    adapters = dict(adapter_tensors(model))
     weights = hf_weights(source, arch)
     (tmp_path / "config.json").write_text(json.dumps(arch.hf_config("float32")))
     save_file(weights, tmp_path / "model.safetensors")
@@ -297,7 +296,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
     anew = lora_trainer(arch, weights, config, seed=7)
     assert checkpoint.load(path, anew) == {"version": 2}
     assert [anew.step(batch(step, arch.vocab_size))["loss"] for step in (2, 3)] == trained
-    resumed = peft_state_dict(anew.model)
+    resumed = dict(adapter_tensors(anew.model))
     assert all(torch.equal(value, resumed[name]) for name, value in adapter_tensors(trainer.model))
 
     entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata

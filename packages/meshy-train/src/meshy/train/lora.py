@@ -9,19 +9,16 @@ device, before it is parallelized, so FSDP2 shards the adapters with their block
 Publishers read the model through three iterators that gather one tensor at a time, as
 meshy.train.publish.full_hf_tensors does: `adapter_tensors` (the adapters under PEFT's names for the HF model of
 the same architecture), `base_tensors` (the frozen base under the unadapted model's torchtitan names) and
-`merged_tensors` (each adapter merged into its base weight: what an engine without LoRA loads).
-`save_adapter` writes the adapters as a PEFT adapter directory.
+`merged_tensors` (each adapter merged into its base weight: what an engine without LoRA loads). A publisher
+writes them as a PEFT adapter directory (meshy.train.publish).
 """
 
-import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
@@ -31,8 +28,6 @@ from meshy.dataplane import HOST, SchemaError
 from meshy.dataplane.adapters import adapter_names
 from meshy.train.training_config import LoraConfig
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Mixed into the model's seed for the adapters' generator, so their draws are not the base's first ones.
 _ADAPTER_SEED = 0x4C6F5241  # "LoRA"
 
@@ -230,46 +225,3 @@ def base_names(model: nn.Module) -> dict[str, str]:
     adapters = {id(linear.weight) for module in _lora_modules(model) for linear in (module.lora_A, module.lora_B)}
     state = model.state_dict(keep_vars=True)
     return {name.replace(".base_layer.", "."): name for name, value in state.items() if id(value) not in adapters}
-
-
-def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """adapter_tensors as a dict (empty on ranks other than 0)."""
-    return dict(adapter_tensors(model))
-
-
-def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """merged_tensors as a dict (empty on ranks other than 0)."""
-    return dict(merged_tensors(model))
-
-
-def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_path: str) -> Path | None:
-    """Write the adapters as PEFT does (adapter_config.json, adapter_model.safetensors) into `directory`, which
-    `peft.PeftModel.from_pretrained` loads onto the base model; the directory. Every rank must call it; rank 0
-    writes (the others get None)."""
-    config = lora_config_of(model)
-    if config is None:
-        raise SchemaError("save_adapter: the model has no adapters")
-    state = {name: tensor.to(HOST).contiguous() for name, tensor in adapter_tensors(model)}
-    if not _is_writer():
-        return None
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(state, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    modules = sorted({name.split(".")[-3] for name in state})  # PEFT matches target_modules by the last name
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
-        "r": config.rank,
-        "lora_alpha": config.alpha,
-        "lora_dropout": config.dropout,
-        "target_modules": modules,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-        "inference_mode": True,
-    }
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
-    return directory

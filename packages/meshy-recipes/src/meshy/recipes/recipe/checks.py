@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 
 from meshy.dataplane import DataPlaneConfig, SchemaError
+from meshy.dataplane.hf_directory import ADAPTER_CONFIG
 from meshy.dataplane.weights import Transport
 from meshy.recipes.recipe.dataflow import check_dataflow
 from meshy.recipes.recipe.spec import RING_ROLES, ModelSpec, Recipe
 from meshy.recipes.recipe.topology import layout
 from meshy.recipes.weights.pretrained import check_init
-from meshy.train.lora import ADAPTER_CONFIG, apply_lora
+from meshy.train.lora import apply_lora
 from meshy.train.titan_models import titan_config
 
 
