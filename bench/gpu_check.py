@@ -24,6 +24,8 @@ fails or runs out of time is reported and the next one runs):
                     same GPU over disk, shared memory and the collective (gloo through host buffers)
   ring-ppo          the default recipe as PPO with KL to a reference, training, inference, critic and
                     reference in one GPU ring: each member's turns, none overlapping, memory after release
+  lora              LoRA against the whole model: bench/weight_sync.py's adapter versions (rank 8, 32, 64)
+                    on qwen3-0.6b, and bench/train_step.py's step time and memory, LoRA vs full
 After every stage DIR holds summary.md and summary.json (figures and the tables the benches printed)
 and stages.log (every stage's whole output), so a check cut short still reports what it did.
 """
@@ -173,6 +175,12 @@ def stages(args: argparse.Namespace) -> list[Stage]:
     if gpu:
         weights = ["--device", "cuda", "--models", "qwen3-0.6b", "--versions", "2"]
         weights += ["--transports", "disk", "shared-memory", "collective"]
+    lora_sync = ["--no-full", "--models", "qwen3-tiny", "--versions", "1", "--lora-ranks", "8", "32"]
+    lora_step = ["--lora-only", "--lora-model", "qwen3-tiny", "--lora-steps", "2"]
+    if gpu:
+        lora_sync = ["--no-full", "--device", "cuda", "--models", "qwen3-0.6b", "--versions", "2"]
+        lora_step = ["--lora-only", "--lora-model", "qwen3-0.6b", "--lora-rows", "8", "--lora-tokens", "1024"]
+    weights += ["--lora-ranks"]  # the whole model only: adapter versions are the lora stage's
     bench = [sys.executable, str(ROOT / "bench")]
     profile = ["--profile"] if gpu else []
 
@@ -224,6 +232,14 @@ def stages(args: argparse.Namespace) -> list[Stage]:
             120,
             run_recipe(2 if cpu else 10, None, "float32", checkpointing=False, ring=PPO_RING),
             run_figures,
+        ),
+        Stage(
+            "lora",
+            240,
+            lambda scratch: [
+                [bench[0], f"{bench[1]}/weight_sync.py", *lora_sync],
+                [bench[0], f"{bench[1]}/train_step.py", "--device", device, "--dtype", "bfloat16", *lora_step],
+            ],
         ),
     ]
 

@@ -31,9 +31,9 @@ def base_of(final: Path) -> Path:
     return Path(json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"])
 
 
-@pytest.mark.parametrize("publish", ["disk", "shared-memory", "collective"])
-def test_a_lora_run_trains_and_publishes_the_adapters_only(tmp_path, publish):
-    run_dir = lora_run(tmp_path, publish)
+def check_lora_run(run_dir: Path) -> None:
+    """The run trained every version on its adapters, which travelled alone, and left them in final_weights/
+    on the base it names, with the merged model in final_weights/merged/."""
     metrics = check_run(run_dir, 0, steps=STEPS)
     assert all(m["rows_trained"] == GROUPS * GROUP for m in metrics)
     final = run_dir / "final_weights"
@@ -51,11 +51,12 @@ def test_a_lora_run_trains_and_publishes_the_adapters_only(tmp_path, publish):
     assert changed == {f"model.layers.{i}.{module}.weight" for i in range(2) for module in ADAPTED}
 
 
-def test_peft_and_meshy_sample_load_a_lora_run_s_final_adapter_onto_its_base(tmp_path):
+def test_a_lora_run_publishes_adapters_that_peft_and_meshy_sample_load_onto_their_base(tmp_path):
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
     run_dir = lora_run(tmp_path, "disk")
+    check_lora_run(run_dir)
     final = run_dir / "final_weights"
     assert base_of(final) == (run_dir / "weights" / "base").resolve()
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_of(final)), final)
@@ -64,6 +65,12 @@ def test_peft_and_meshy_sample_load_a_lora_run_s_final_adapter_onto_its_base(tmp
     assert all(torch.allclose(merged[name], tensor, atol=1e-6) for name, tensor in ours.items())
     header, answers = sample(run_dir, ["3+4="])
     assert f"weights v{STEPS} ({final})" in header and len(answers) == 1
+
+
+@pytest.mark.slow  # the default tier runs the disk transport's
+@pytest.mark.parametrize("publish", ["shared-memory", "collective"])
+def test_a_lora_run_trains_and_publishes_the_adapters_only(tmp_path, publish):
+    check_lora_run(lora_run(tmp_path, publish))
 
 
 @pytest.mark.slow  # a second run's start-up

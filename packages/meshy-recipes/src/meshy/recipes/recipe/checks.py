@@ -7,8 +7,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from meshy.dataplane import DataPlaneConfig, SchemaError
 from meshy.dataplane.hf_directory import ADAPTER_CONFIG
 from meshy.dataplane.weights import Transport
@@ -16,8 +14,6 @@ from meshy.recipes.recipe.dataflow import check_dataflow
 from meshy.recipes.recipe.spec import RING_ROLES, ModelSpec, Recipe
 from meshy.recipes.recipe.topology import layout
 from meshy.recipes.weights.pretrained import check_init
-from meshy.train.lora import apply_lora
-from meshy.train.titan_models import titan_config
 
 
 def check_recipe(recipe: Recipe) -> None:
@@ -38,10 +34,22 @@ def check_model(model: ModelSpec) -> None:
             "expected a whole model (peft's merge_and_unload(), then save_pretrained)"
         )
     if model.lora is not None:
-        with torch.device("meta"):  # the model's modules without its memory
-            shape = titan_config(model.arch()).build()
-        with _under("lora"):
-            apply_lora(shape, model.lora)
+        _check_lora_targets(model)
+
+
+def _check_lora_targets(model: ModelSpec) -> None:
+    """model.lora's targets are projections the model has (the model built on the meta device: its modules, no
+    memory). torchtitan is imported here only: validating a recipe without LoRA, or a role that never trains,
+    does not pay for it."""
+    import torch
+
+    from meshy.train.lora import apply_lora
+    from meshy.train.titan_models import titan_config
+
+    with torch.device("meta"):
+        shape = titan_config(model.arch()).build()
+    with _under("lora"):
+        apply_lora(shape, model.lora)
 
 
 def check_run(recipe: Recipe) -> None:
