@@ -176,7 +176,7 @@ def stages(args: argparse.Namespace) -> list[Stage]:
         weights = ["--device", "cuda", "--models", "qwen3-0.6b", "--versions", "2"]
         weights += ["--transports", "disk", "shared-memory", "collective"]
     lora_sync = ["--no-full", "--models", "qwen3-tiny", "--versions", "1", "--lora-ranks", "8", "32"]
-    lora_step = ["--lora-only", "--lora-model", "qwen3-tiny", "--lora-steps", "2"]
+    lora_step = ["--lora-only", "--lora-model", "qwen3-tiny", "--lora-steps", "2", "--lora-ranks", "8"]
     if gpu:
         lora_sync = ["--no-full", "--device", "cuda", "--models", "qwen3-0.6b", "--versions", "2"]
         lora_step = ["--lora-only", "--lora-model", "qwen3-0.6b", "--lora-rows", "8", "--lora-tokens", "1024"]
