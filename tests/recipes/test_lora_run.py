@@ -68,13 +68,11 @@ def test_a_lora_run_publishes_adapters_that_peft_and_meshy_sample_load_onto_thei
 
 
 @pytest.mark.slow  # the default tier runs the disk transport's, the shipped LoRA recipe's miniature shared memory
-def test_a_lora_run_broadcasting_its_versions_trains_and_publishes_the_adapters_only(tmp_path):
-    check_lora_run(lora_run(tmp_path, "collective"))
-
-
-@pytest.mark.slow  # a second run's start-up
-def test_a_resumed_lora_run_restores_its_adapters(tmp_path):
-    run_dir = lora_run(tmp_path, "shared-memory")
+def test_a_lora_run_broadcasting_its_versions_trains_the_adapters_and_resumes_them(tmp_path):
+    run_dir = lora_run(tmp_path, "collective")
+    check_lora_run(run_dir)
+    # Resumed from its last checkpoint (the adapters and their optimizer state): the base is the recipe's
+    # again, and the restored version's adapters are the ones it had.
     final = run_dir / "final_weights"
     saved = load_file(final / "adapter_model.safetensors")
     command = [sys.executable, "-m", "meshy.recipes.cli", "run", "--resume", str(run_dir)]
