@@ -9,6 +9,9 @@ A checkpoint is written under a temporary name and renamed once every rank has f
 Before the rename, a manifest records every file's size and xxh3-128 hash (each rank hashes a share of
 the files, whichever rank wrote them). `load` checks the manifest before it reads anything, so a torn,
 truncated or bit-rotted checkpoint raises CorruptCheckpoint and leaves the trainer untouched.
+
+`BackgroundSaves` writes the same checkpoints while training goes on (DCP's async_save): the state is
+copied to host memory before `save` returns, and the files, manifest and rename follow in the background.
 """
 
 import contextlib
@@ -17,6 +20,7 @@ import random
 import shutil
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshy.dataplane.devices import HOST
@@ -113,24 +118,90 @@ def _cuda_rng(trainer: Trainer) -> bytes:
 
 def save(root: str | Path, step: int, trainer: Trainer, cursors: dict[str, Any]) -> Path:
     """Every rank calls this. Returns the checkpoint directory."""
-    root = Path(root)
+    final, tmp = _begin(Path(root), step)
+    with _single_process_quiet():
+        dcp.save(_state(trainer, cursors), checkpoint_id=str(tmp))
+    _barrier()
+    names = _from_rank0(_file_names(tmp) if _rank() == 0 else None)
+    files = _gather({name: _file_entry(tmp / name) for name in names[_rank() :: _world()]})
+    if _rank() == 0:
+        _commit(tmp, final, files)
+    _barrier()
+    return final
+
+
+class BackgroundSaves:
+    """Checkpoints under `root` written while training goes on. Every rank of the trainer makes one (it
+    creates a gloo group for the background's collectives, so they never interleave with training's) and
+    calls each `save`.
+
+    `save` returns once the state is copied to host memory; DCP's async_save then writes the files in a
+    thread, and rank 0, whose save returns only after every rank's files and the metadata are written,
+    hashes them into the manifest and renames the checkpoint into place (only then does `latest` see it).
+    One save at a time: `save` and `wait` first finish the one before and raise its error (a full disk:
+    the run stops at its next checkpoint, the newest complete one untouched), so no failure is silent."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        if dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        else:  # DCP warns from its background thread too, where _single_process_quiet cannot reach
+            self._group = None
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        # One stager for every save: it keeps its host buffers, so a save copies into them, allocating nothing.
+        self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshy-checkpoint")
+        self._pending: Future[Path] | None = None
+
+    def save(self, step: int, trainer: Trainer, cursors: dict[str, Any]) -> None:
+        self.wait()
+        final, tmp = _begin(self.root, step)
+        written = dcp.async_save(
+            _state(trainer, cursors), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
+        )
+        self._pending = self._finisher.submit(self._finish, written, tmp, final)
+
+    def wait(self) -> Path | None:
+        """Finishes the save in flight; its checkpoint directory (None if there was none)."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def close(self) -> None:
+        """Finishes the save in flight (raising its error) and stops the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._finisher.shutdown()
+            self._stager.close()
+
+    @staticmethod
+    def _finish(written: Future, tmp: Path, final: Path) -> Path:
+        written.result()
+        if _rank() == 0:
+            _commit(tmp, final, {name: _file_entry(tmp / name) for name in _file_names(tmp)})
+        return final
+
+
+def _begin(root: Path, step: int) -> tuple[Path, Path]:
+    """The checkpoint's final directory and the empty temporary one it is written to (every rank)."""
     final, tmp = root / f"{_PREFIX}{step:08d}", root / f".{_PREFIX}{step:08d}.tmp"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    with _single_process_quiet():
-        dcp.save(_state(trainer, cursors), checkpoint_id=str(tmp))
-    _barrier()
-    names = _from_rank0(sorted(p.name for p in tmp.iterdir() if p.is_file()) if _rank() == 0 else None)
-    files = _gather({name: _file_entry(tmp / name) for name in names[_rank() :: _world()]})
-    if _rank() == 0:
-        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    _barrier()
-    return final
+    return final, tmp
+
+
+def _file_names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.is_file())
+
+
+def _commit(tmp: Path, final: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Rank 0: the manifest of every file, then the rename that makes the checkpoint visible."""
+    (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
 
 
 def saved(root: str | Path) -> list[Path]:

@@ -78,19 +78,19 @@ class TrainServiceConfig:
     (PPO epochs: minibatches * epochs steps, every one clipped against the logprobs the version started
     from). max_staleness: newest version minus a token's version beyond which the token is not trained
     (None: no limit).
-    checkpoint_every: versions between checkpoints (0: never). report_reward: also lease the `reward`
-    column and report the mean reward of the version's rows, trained or dropped (dynamic sampling must
-    not hide the groups that got every answer right); a version whose mean is below the best of the run's
-    earlier versions explores: if every advantage is 0, it still steps on the entropy bonus (a policy that
-    lost what it had found, say a call it no longer makes, has no other way back; one at its best, say
-    every group right, takes no step). critic_warmup_versions: the first versions
-    only the critic learns (JustRL II): their rows are acked as dropped ("critic warm-up") and the
-    unchanged weights are published again, so rollout pacing goes on. routing_replay: also lease
-    routed_experts and replay it in every forward (a mixture-of-experts model only). policy_mask: also
-    lease policy_mask and train only the tokens it marks (multi-turn trajectories). batch_groups: when set,
-    version v trains the groups with ids in [v * batch_groups, (v + 1) * batch_groups), the batch rollout
-    wrote for it, even when a later batch's groups are ready first: only so does bounded pacing bound the
-    age of what is trained (None: whichever groups are ready first)."""
+    checkpoint_every: versions between checkpoints (0: never); checkpoint_in_background: written while the next
+    versions train (checkpoint.BackgroundSaves), else before the next version trains. report_reward: also lease
+    the `reward` column and report the mean reward of the version's rows, trained or dropped (dynamic sampling
+    must not hide the groups that got every answer right); a version whose mean is below the best of the run's
+    earlier versions explores: if every advantage is 0, it still steps on the entropy bonus (a policy that lost
+    what it had found, say a call it no longer makes, has no other way back; one at its best, say every group
+    right, takes no step). critic_warmup_versions: the first versions only the critic learns (JustRL II): their
+    rows are acked as dropped ("critic warm-up") and the unchanged weights are published again, so rollout
+    pacing goes on. routing_replay: also lease routed_experts and replay it in every forward (a
+    mixture-of-experts model only). policy_mask: also lease policy_mask and train only the tokens it marks (multi-turn
+    trajectories). batch_groups: when set, version v trains the groups with ids in [v * batch_groups, (v + 1) *
+    batch_groups), the batch rollout wrote for it, even when a later batch's groups are ready first: only so
+    does bounded pacing bound the age of what is trained (None: whichever groups are ready first)."""
 
     table: str = "rollout"
     task: str = cols.TRAIN_TASK.name
@@ -103,6 +103,7 @@ class TrainServiceConfig:
     distill: bool = False
     kl_to_reference: bool = False
     checkpoint_every: int = 0
+    checkpoint_in_background: bool = True
     critic_warmup_versions: int = 0
     report_reward: bool = False
     routing_replay: bool = False
@@ -242,6 +243,8 @@ class TrainingService:
         self.config = config
         self.metrics = metrics or MetricsLog(None)
         self.checkpoint_dir = checkpoint_dir
+        in_background = checkpoint_dir is not None and config.checkpoint_every > 0 and config.checkpoint_in_background
+        self._background_saves = checkpoint.BackgroundSaves(checkpoint_dir) if in_background else None
         self.version = version
         self.best_reward = -math.inf  # the best mean reward of a version so far (report_reward)
         self.device = next(trainer.model.parameters()).device
@@ -381,7 +384,10 @@ class TrainingService:
         cfg = self.config
         if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0 and self.checkpoint_dir is not None:
             cursors = {"version": self.version, "best_reward": self.best_reward}
-            checkpoint.save(self.checkpoint_dir, self.version, self.trainer, cursors)
+            if self._background_saves is not None:
+                self._background_saves.save(self.version, self.trainer, cursors)
+            else:
+                checkpoint.save(self.checkpoint_dir, self.version, self.trainer, cursors)
 
     def _lease(self, version: int) -> Batch | None:
         """This rank's rows for a version, or None after batch_timeout_s (sooner once closing: a prefetch
@@ -406,14 +412,18 @@ class TrainingService:
 
     def close(self) -> None:
         """Stop prefetching (within LEASE_SLICE_S); rows fetched for a version that will not run go back
-        to the pool at once."""
+        to the pool at once. A checkpoint still being written is finished (its error raised)."""
         self._closing.set()
-        if self._next is not None:
-            batch = self._next.result()
-            if batch is not None:
-                self.client.release(batch)
-            self._next = None
-        self._prefetcher.shutdown()
+        try:
+            if self._next is not None:
+                batch = self._next.result()
+                if batch is not None:
+                    self.client.release(batch)
+                self._next = None
+            self._prefetcher.shutdown()
+        finally:
+            if self._background_saves is not None:
+                self._background_saves.close()
 
     # ---- rows -> batches ----------------------------------------------------------------------
     def _rows(self, batch: Batch | None) -> tuple[list[dict], list[dict], Counter]:

@@ -524,6 +524,10 @@ class Recipe:
     """The directory in which run directories are made."""
     checkpoint_every: int = 0
     """Versions between checkpoints in the run directory's checkpoints/ (0: never)."""
+    checkpoint_in_background: bool = True
+    """Write each checkpoint while the next versions train (the state is copied to host memory first, then
+    written, hashed and renamed into place in the background; a failed write stops the run at the next
+    checkpoint); false: write it before the next version trains."""
     stall_after_s: float = 300.0
     """A run in which no rows move and no version is published for this long prints what every task waits for
     and stops (meshy.recipes.launch.watchdog)."""

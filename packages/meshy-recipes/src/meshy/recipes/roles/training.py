@@ -71,6 +71,7 @@ class TrainingRole:
             distill=algo.kind == "distill",
             kl_to_reference=algo.loss.kl_coef > 0,
             checkpoint_every=recipe.checkpoint_every,
+            checkpoint_in_background=recipe.checkpoint_in_background,
             critic_warmup_versions=algo.critic_warmup_versions,
             report_reward=True,
             routing_replay=algo.routing_replay,
