@@ -3,7 +3,8 @@
 the losses of steps 3 and 4 (rank 0) to compare bit for bit. Before that, `resume` tries a copy of the
 checkpoint with rank 1's file corrupted: both ranks must refuse it, with their trainer untouched.
 
-Arguments: mode, checkpoint root, output file, model name, expert-parallel degree."""
+Arguments: mode, checkpoint root, output file, model name, expert-parallel degree, and "background" to save
+with checkpoint.BackgroundSaves (steps 3 and 4 then train while the checkpoint is written)."""
 
 import json
 import shutil
@@ -58,6 +59,7 @@ def refuse_corrupt_copy(root: Path, trainer: PolicyTrainer, rank: int) -> str:
 
 def main() -> None:
     mode, root, out, model_name, ep = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    background = checkpoint.BackgroundSaves(root) if sys.argv[6] == "background" else None
     init_process_group("cpu")
     rank = dist.get_rank() if dist.is_initialized() else 0
     arch = get_model(model_name)
@@ -67,13 +69,19 @@ def main() -> None:
     if mode == "train":
         for step in (1, 2):
             trainer.step(batch(step, rank, arch.vocab_size))
-        checkpoint.save(root, 2, trainer, {"version": 2, "weights_reader": "trainer"})
+        cursors = {"version": 2, "weights_reader": "trainer"}
+        if background is not None:
+            background.save(2, trainer, cursors)
+        else:
+            checkpoint.save(root, 2, trainer, cursors)
     else:
         refused = refuse_corrupt_copy(Path(root), trainer, rank)
         cursors = checkpoint.load(checkpoint.latest(root), trainer)
         assert cursors == {"version": 2, "weights_reader": "trainer"}, cursors
     for step in (3, 4):
         losses[step] = trainer.step(batch(step, rank, arch.vocab_size))["loss"]
+    if background is not None:
+        background.close()
     if rank == 0:
         with open(out, "w") as f:
             result = {"losses": losses, "steps": trainer.steps, "lr": trainer.scheduler.get_last_lr()[0]}

@@ -291,16 +291,17 @@ def test_a_version_s_metrics_line_is_written_before_its_checkpoint(client, uniqu
         checkpoint_dir=tmp_path / "checkpoints",
     )
     found = {}
-    save = checkpoint.save
+    save = checkpoint.BackgroundSaves.save  # checkpoint_in_background is the default
 
-    def save_and_look(root, step, trainer, cursors):
+    def save_and_look(saves, step, trainer, cursors):
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
         found[step] = [json.loads(line)["version"] for line in lines]
-        return save(root, step, trainer, cursors)
+        return save(saves, step, trainer, cursors)
 
-    monkeypatch.setattr(checkpoint, "save", save_and_look)
+    monkeypatch.setattr(checkpoint.BackgroundSaves, "save", save_and_look)
     for _ in range(2):
         service.train_batch(service.wait_for_batch())
+    service.close()  # finishes the checkpoint being written
     assert found == {1: [1], 2: [1, 2]}
     assert checkpoint.step_of(checkpoint.latest(tmp_path / "checkpoints")) == 2
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -54,6 +55,11 @@ class Trainer(Protocol):
 
 class CorruptCheckpoint(DataPlaneError):
     """A checkpoint whose files are missing, truncated or do not match its manifest; nothing was loaded."""
+
+
+class CheckpointNotWritten(DataPlaneError):
+    """A checkpoint being written in the background failed (a full disk, a lost rank); raised by the next
+    save or by close."""
 
 
 def _rank() -> int:
@@ -131,9 +137,9 @@ def save(root: str | Path, step: int, trainer: Trainer, cursors: dict[str, Any])
 
 
 class BackgroundSaves:
-    """Checkpoints under `root` written while training goes on. Every rank of the trainer makes one (it
-    creates a gloo group for the background's collectives, so they never interleave with training's) and
-    calls each `save`.
+    """Checkpoints under `root` written while training goes on. Every rank of the trainer makes one and
+    calls each `save` (the first one creates a gloo group for the background's collectives, so they never
+    interleave with training's).
 
     `save` returns once the state is copied to host memory; DCP's async_save then writes the files in a
     thread, and rank 0, whose save returns only after every rank's files and the metadata are written,
@@ -143,11 +149,7 @@ class BackgroundSaves:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
-        if dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
-        else:  # DCP warns from its background thread too, where _single_process_quiet cannot reach
-            self._group = None
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        self._group: dist.ProcessGroup | None = None  # made by the first save, which every rank calls
         # One stager for every save: it keeps its host buffers, so a save copies into them, allocating nothing.
         self._stager = DefaultStager(StagingOptions(False, False, False, False))
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshy-checkpoint")
@@ -155,6 +157,10 @@ class BackgroundSaves:
 
     def save(self, step: int, trainer: Trainer, cursors: dict[str, Any]) -> None:
         self.wait()
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        elif not dist.is_initialized():  # DCP warns from its background thread, where _single_process_quiet cannot
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
         final, tmp = _begin(self.root, step)
         written = dcp.async_save(
             _state(trainer, cursors), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
@@ -176,10 +182,24 @@ class BackgroundSaves:
 
     @staticmethod
     def _finish(written: Future, tmp: Path, final: Path) -> Path:
-        written.result()
-        if _rank() == 0:
-            _commit(tmp, final, {name: _file_entry(tmp / name) for name in _file_names(tmp)})
+        try:
+            written.result()
+            if _rank() == 0:
+                _commit(tmp, final, {name: _file_entry(tmp / name) for name in _file_names(tmp)})
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            free_gb = shutil.disk_usage(final.parent).free / 1e9
+            raise CheckpointNotWritten(
+                f"checkpoint {final}: writing it in the background failed ({_failures(e)}; {free_gb:.1f} GB free "
+                f"on its disk); the newest complete checkpoint is {latest(final.parent) or 'none'}"
+            ) from e
         return final
+
+
+def _failures(error: BaseException) -> str:
+    """What failed, per rank for DCP's CheckpointException (its str is every rank's whole traceback)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {failure!r}" for rank, (failure, _) in sorted(error.failures.items()))
+    return repr(error)
 
 
 def _begin(root: Path, step: int) -> tuple[Path, Path]:
