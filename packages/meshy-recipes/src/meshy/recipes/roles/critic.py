@@ -54,6 +54,8 @@ class CriticRole:
             self.saved_version = self._restore()
             if self.saved_version == 0:
                 load_init(backbone, arch, recipe.model.init)
+        root = ctx.run_dir / CHECKPOINTS
+        self.background_saves = checkpoint.BackgroundSaves(root) if recipe.checkpoint_in_background else None
 
     def _offload(self) -> None:
         offload.hand_over(self.service.trainer, self.device)
@@ -79,16 +81,20 @@ class CriticRole:
         ctx.record(RecordKind.CRITIC_START, version=self.saved_version, steps=self.service.trainer.steps)
         weights = ctx.client.reader(WEIGHTS_STREAM, f"critic-{ctx.slot.index}-checkpoints", start="latest")
         announced = valued = steps = 0
-        while not ctx.stop.is_set():
-            valued += self.service.write_values()
-            metrics = self.service.train_step(timeout=0.0)
-            if metrics is not None:
-                steps += 1
-                ctx.record(RecordKind.CRITIC_STEP, step=steps, **metrics)
-            for message in weights.read(max_n=1024, timeout=0.0):
-                announced = max(announced, message.payload["version"])
-            if every:
-                self._checkpoint_due(announced // every * every)
+        try:
+            while not ctx.stop.is_set():
+                valued += self.service.write_values()
+                metrics = self.service.train_step(timeout=0.0)
+                if metrics is not None:
+                    steps += 1
+                    ctx.record(RecordKind.CRITIC_STEP, step=steps, **metrics)
+                for message in weights.read(max_n=1024, timeout=0.0):
+                    announced = max(announced, message.payload["version"])
+                if every:
+                    self._checkpoint_due(announced // every * every)
+        finally:
+            if self.background_saves is not None:
+                self.background_saves.close()  # the checkpoint being written is finished (or its error raised)
         self.turns.close()
         ctx.record(RecordKind.CRITIC, valued=valued, steps=steps)
 
@@ -96,6 +102,9 @@ class CriticRole:
         """Save under the newest checkpoint version every critic rank has seen announced, once."""
         agreed = int(reduce_over_ranks(torch.tensor([float(version)], device=HOST), dist.ReduceOp.MIN).item())
         if agreed > self.saved_version:
-            checkpoint.save(self.ctx.run_dir / CHECKPOINTS, agreed, self.service.trainer, {"version": agreed})
+            if self.background_saves is not None:
+                self.background_saves.save(agreed, self.service.trainer, {"version": agreed})
+            else:
+                checkpoint.save(self.ctx.run_dir / CHECKPOINTS, agreed, self.service.trainer, {"version": agreed})
             self.saved_version = agreed
             self.ctx.record(RecordKind.CRITIC_CHECKPOINT, version=agreed, steps=self.service.trainer.steps)
