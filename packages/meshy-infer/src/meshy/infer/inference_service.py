@@ -25,6 +25,7 @@ vocabulary) gets its reason in the `error` column and an empty response, and the
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, Batch, DataPlaneClient, LeaseLostError, SchemaError
 from meshy.dataplane import columns as cols
 from meshy.dataplane.adapters import Adapter, is_adapter_tensor
 from meshy.dataplane.fields import check_fields
@@ -122,6 +123,7 @@ class InferenceService:
         # Finished rows wait here, by lease, to be written (and acked) many at a time.
         self._finished: dict[int, tuple[Batch, list[int], list[dict]]] = {}
         self._finished_ready = asyncio.Event()
+        self._leases: dict[int, tuple[Batch, int]] = {}  # lease id -> the lease, its rows not yet written
         self._busy_since = 0.0
         self._routing_shape: tuple[int, ...] | None = None  # (layers, top_k) when rows carry routed_experts
         self._reads = list(cols.GENERATE_TASK.reads)  # + max_new_tokens when the table has a per-row budget
@@ -132,11 +134,12 @@ class InferenceService:
         await self._check_table()
         watcher = asyncio.create_task(self._watch_weights(stop))
         writer = asyncio.create_task(self._write_finished())
+        renewer = asyncio.create_task(self._renew_leases())
         stream, name = self.config.weights_stream, f"inference-{self.client.consumer_id}-lease"
         announced = self.client.reader(stream, name, "latest")
         try:
             while not stop.is_set() and (max_rows is None or self.stats.rows < max_rows):
-                for helper in (watcher, writer):  # a helper that died takes the service down, loudly
+                for helper in (watcher, writer, renewer):  # a helper that died takes the service down, loudly
                     if helper.done():
                         helper.result()
                 free = self.config.max_in_flight - len(self._in_flight)
@@ -169,6 +172,7 @@ class InferenceService:
         finally:
             stop.set()
             writer.cancel()
+            renewer.cancel()
             await watcher
             await asyncio.to_thread(announced.close)
         await self._flush()
@@ -190,7 +194,18 @@ class InferenceService:
             )
         self._routing_shape = tuple(column.shape[1:])
 
+    async def _renew_leases(self) -> None:
+        """Extends the leases of rows not yet written every lease_s / 3: however long a generation takes, a
+        live engine keeps its rows, and a dead one's return to the pool within lease_s (a short lease_s lets
+        a run go on past a lost engine: roles.<role>.max_restarts)."""
+        while True:
+            await asyncio.sleep(self.config.lease_s / 3)
+            for batch, _ in list(self._leases.values()):
+                with contextlib.suppress(LeaseLostError):  # written meanwhile, or expired under a stalled host
+                    await asyncio.to_thread(self.client.renew, batch, self.config.lease_s)
+
     def _start(self, batch: Batch) -> None:
+        self._leases[batch.lease_id] = (batch, len(batch.row_ids))
         budgets = batch.columns.get(cols.MAX_NEW_TOKENS)
         for i, row_id in enumerate(batch.row_ids):
             budget = self.config.sampling.max_new_tokens if budgets is None else int(budgets[i])
@@ -243,6 +258,9 @@ class InferenceService:
             columns[cols.TRUNCATED] = torch.tensor(columns[cols.TRUNCATED], device=HOST)
             await asyncio.to_thread(self.client.add_columns, self.config.table, rows, columns, ack=batch)
             self.stats.rows += len(rows)
+            _, unwritten = self._leases.pop(batch.lease_id)
+            if unwritten > len(rows):
+                self._leases[batch.lease_id] = (batch, unwritten - len(rows))
             for v in values:
                 if v[cols.FINISH_REASON] == FINISH_ERROR:
                     self.stats.errors += 1

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from meshy.dataplane import DataPlaneClient, DataPlaneError, Endpoints, SchemaError, secret_from_env
 from meshy.recipes.launch.nodes import NODE_ADDRESS_ENV, node_address, node_rank, run_dir
+from meshy.recipes.launch.restarts import supervise
 from meshy.recipes.launch.servers import host_servers
 from meshy.recipes.launch.startup import phase_done
 from meshy.recipes.launch.watchdog import Watchdog
@@ -68,9 +69,8 @@ def import_role(recipe: Recipe, slot: Slot) -> None:
         role_class(recipe, slot)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    recipe = load_recipe(argv[0] if argv else None)
+def this_slot(recipe: Recipe) -> tuple[Slot, list[Slot], list[Slot]]:
+    """This process's slot (from torchrun's environment), the slots on its node, and every slot."""
     node = node_rank(recipe)
     slots = assign(recipe, int(os.environ["WORLD_SIZE"]), gpus_per_node=torch.cuda.device_count())
     here = on_node(slots, node)
@@ -79,28 +79,70 @@ def main(argv: list[str] | None = None) -> None:
             f"node {node} runs {len(here)} processes of the recipe, but torchrun started "
             f"{os.environ['LOCAL_WORLD_SIZE']} here (--nproc-per-node={len(here)}; meshy check prints each node's)"
         )
-    slot = here[int(os.environ["LOCAL_RANK"])]
-    if slot.rank == 0:
-        phase_done("processes started")
-    torch.set_num_threads(cpu_threads(dict(recipe.roles.items())[slot.role], slot))
+    return here[int(os.environ["LOCAL_RANK"])], here, list(slots.values())
+
+
+def use_devices(recipe: Recipe, slot: Slot) -> None:
+    """The slot's CPU threads and GPU (with the role's memory_fraction of it), for this process."""
+    spec = dict(recipe.roles.items())[slot.role]
+    torch.set_num_threads(cpu_threads(spec, slot))
     if slot.devices:  # "cuda" without an index means the slot's GPU in this process, not GPU 0
         torch.cuda.set_device(slot.device)
-        fraction = dict(recipe.roles.items())[slot.role].memory_fraction
-        if fraction is not None:
+        if spec.memory_fraction is not None:
             for device in slot.devices:
-                torch.cuda.set_per_process_memory_fraction(fraction, device)
-    directory = run_dir(recipe)
-    (directory / "logs").mkdir(parents=True, exist_ok=True)
-    world = recipe.world_size
-    store = dist.TCPStore(
+                torch.cuda.set_per_process_memory_fraction(spec.memory_fraction, device)
+
+
+def connect_store(recipe: Recipe) -> dist.TCPStore:
+    """torchrun's TCPStore, where the data plane's endpoints are published."""
+    return dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
-        world,
+        recipe.world_size,
         is_master=False,
         timeout=timedelta(seconds=600),
     )
+
+
+def run_role(ctx: RoleContext) -> bool:
+    """Build the slot's role and run it to the end of the run; whether it failed. A failure is reported (the
+    user's code's as theirs, in logs/task_error.txt) and the run's stop announced."""
+    recipe, slot, client = ctx.recipe, ctx.slot, ctx.client
+    try:
+        cls = role_class(recipe, slot)
+        custom = next((c for c in recipe.roles.custom if c.name == slot.role), None)
+        role = cls(ctx, **custom.arguments()) if custom is not None else cls(ctx)
+        role.run()
+    except TaskError as e:  # the user's code: their traceback and the field to fix, not ours
+        print(f"meshy: {slot.role} process {slot.index}: {e}", file=sys.stderr, flush=True)
+        task_error_file = ctx.run_dir / "logs" / TASK_ERROR_FILE
+        if not task_error_file.exists():  # the first one to fail says why the run stopped
+            task_error_file.write_text(f"{e}\n")
+        with contextlib.suppress(DataPlaneError):
+            announce_stop(client, f"{e.field} failed in {slot.role} process {slot.index}")
+        return True
+    except BaseException:
+        traceback.print_exc()
+        with contextlib.suppress(DataPlaneError):  # the data plane may be what failed
+            announce_stop(client, f"{slot.role} process {slot.index} failed")
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    recipe_path = argv[0] if argv else None
+    recipe = load_recipe(recipe_path)
+    slot, here, slots = this_slot(recipe)
+    if slot.rank == 0:
+        phase_done("processes started")
+    use_devices(recipe, slot)
+    directory = run_dir(recipe)
+    (directory / "logs").mkdir(parents=True, exist_ok=True)
+    world = recipe.world_size
+    store = connect_store(recipe)
     secret = secret_from_env()
-    address = os.environ.get(NODE_ADDRESS_ENV) or node_address(recipe, node, os.environ["MASTER_ADDR"])
+    address = os.environ.get(NODE_ADDRESS_ENV) or node_address(recipe, slot.node, os.environ["MASTER_ADDR"])
     server = host_servers(
         recipe, slot, slot is here[0], address, store, secret, directory / "logs", lambda: import_role(recipe, slot)
     )
@@ -110,14 +152,16 @@ def main(argv: list[str] | None = None) -> None:
     client = DataPlaneClient(endpoints, secret, recipe.dataplane, name=f"{slot.role}{slot.index}", node=slot.node)
     for spec in tables(recipe):
         client.create_table(spec)
-    if slot.count > 1:
+    # A role that restarts in place runs in a child (meshy.recipes.launch.restarts) and joins no process group.
+    restarts = getattr(dict(recipe.roles.items())[slot.role], "max_restarts", 0)
+    if slot.count > 1 and not restarts:
         init_process_group(
             slot.device,
             store=dist.PrefixStore(f"meshy/role/{slot.role}", store),
             rank=slot.index,
             world_size=slot.count,
         )
-    weight_sync = join_weight_sync(recipe, slot, list(slots.values()), store, address)
+    weight_sync = join_weight_sync(recipe, slot, slots, store, address)
     ctx = RoleContext(recipe, slot, directory, client, weight_sync=weight_sync)
     servers = server.pids if server is not None else None
     published = endpoints.to_json() if slot.rank == 0 else None  # where the data plane listens, for audits
@@ -134,25 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     watchdog = Watchdog(client, watched, directory, recipe.stall_after_s) if slot.rank == 0 else None
     if watchdog is not None:
         watchdog.start()
-    failed = False
     try:
-        cls = role_class(recipe, slot)
-        custom = next((c for c in recipe.roles.custom if c.name == slot.role), None)
-        role = cls(ctx, **custom.arguments()) if custom is not None else cls(ctx)
-        role.run()
-    except TaskError as e:  # the user's code: their traceback and the field to fix, not ours
-        failed = True
-        print(f"meshy: {slot.role} process {slot.index}: {e}", file=sys.stderr, flush=True)
-        task_error_file = directory / "logs" / TASK_ERROR_FILE
-        if not task_error_file.exists():  # the first one to fail says why the run stopped
-            task_error_file.write_text(f"{e}\n")
-        with contextlib.suppress(DataPlaneError):
-            announce_stop(client, f"{e.field} failed in {slot.role} process {slot.index}")
-    except BaseException:
-        failed = True
-        traceback.print_exc()
-        with contextlib.suppress(DataPlaneError):  # the data plane may be what failed
-            announce_stop(client, f"{slot.role} process {slot.index} failed")
+        failed = supervise(ctx, recipe_path, restarts) if restarts else run_role(ctx)
     finally:
         if watchdog is not None:
             watchdog.stop()

@@ -11,7 +11,7 @@ from meshy.dataplane import DataPlaneConfig, SchemaError
 from meshy.dataplane.hf_directory import ADAPTER_CONFIG
 from meshy.dataplane.weights import Transport
 from meshy.recipes.recipe.dataflow import check_dataflow
-from meshy.recipes.recipe.spec import RING_ROLES, ModelSpec, Recipe
+from meshy.recipes.recipe.spec import RESTARTABLE_ROLES, RING_ROLES, ModelSpec, Recipe
 from meshy.recipes.recipe.topology import layout
 from meshy.recipes.weights.pretrained import check_init
 
@@ -128,7 +128,34 @@ def check_run(recipe: Recipe) -> None:
                 f"share_devices: roles {list(group)} need memory_fraction set, adding up to at most 1; got "
                 f"{dict(zip(group, fractions, strict=True))}"
             )
+    _check_restarts(recipe, roles)
     _check_topology(recipe)
+
+
+def _check_restarts(recipe: Recipe, roles: dict) -> None:
+    """A process started again in place joins no process group and no token ring, and takes up the run where
+    it is: only roles that hold nothing of the run's progress, reached by no fixed group."""
+    ringed = {role for ring in recipe.colocate for role in ring}
+    for role, spec in roles.items():
+        if not getattr(spec, "max_restarts", 0):
+            continue
+        if role not in RESTARTABLE_ROLES:
+            raise SchemaError(
+                f"roles.{role}.max_restarts: only {list(RESTARTABLE_ROLES)} restart in place so far (a {role} "
+                "process holds the run's progress); set 0: a death stops the run, and meshy run --resume "
+                "carries it on"
+            )
+        if role in ringed:
+            raise SchemaError(
+                f"roles.{role}.max_restarts: a member of a colocate ring cannot restart in place (the ring's "
+                "token may die with it); set 0, or share the devices with share_devices instead"
+            )
+        if recipe.publish is Transport.COLLECTIVE:
+            raise SchemaError(
+                f'roles.{role}.max_restarts: with publish = "collective" every engine is a member of a fixed '
+                'process group, which a restarted one cannot rejoin; use publish = "disk" or "shared-memory", '
+                "or set 0"
+            )
 
 
 def _check_topology(recipe: Recipe) -> None:

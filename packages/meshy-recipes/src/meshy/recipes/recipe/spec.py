@@ -36,6 +36,8 @@ DEFAULT_RECIPE = Path(__file__).parents[1] / "default.toml"
 # Bounds on a topology, far beyond any cluster, so that a mistyped count is refused instead of laid out
 MAX_NODES = 1 << 14
 MAX_PROCESSES = 1 << 16  # per role
+MAX_RESTARTS = 1000  # per process: a role that dies more often than this is broken, not unlucky
+RESTARTABLE_ROLES = ("inference",)  # roles that hold no state a restart would lose
 
 
 def _check_placement(spec: "RoleSpec | CustomRoleSpec") -> None:
@@ -67,10 +69,17 @@ class RoleSpec:
     threads: int = 0
     """CPU threads of each process's tensor ops (0: every core of the host for a role on the CPU, one for a role on
     GPUs)."""
+    max_restarts: int = 0
+    """Times a process of the role killed by a signal (SIGKILL, the OOM killer) is started again in place while the
+    run goes on; past them, or with 0, the run stops as any process's death stops it (meshy run --resume). Inference
+    only, not in a colocate ring nor with publish = "collective"; each process then runs the role in a child of its
+    own (meshy.recipes.launch.restarts)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         _check_placement(self)
+        if not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise SchemaError(f"max_restarts: expected 0 to {MAX_RESTARTS} per process, got {self.max_restarts}")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ T = TypeVar("T")
 class RecordKind(StrEnum):
     """What a record is (its `kind`), for each kind the built-in roles write (RoleContext.record)."""
 
-    START = "start"  # every process, as it starts (launch.rank)
+    START = "start"  # every process, as it starts (launch.rank; a restartable role's child: launch.restarts)
+    RESTART = "restart"  # a restartable role's process, killed, started again (launch.restarts)
     ENGINE = "engine"  # the engine a process built (roles.engines)
     GRANT = "grant"  # a colocated process took its ring's token (roles.colocation)
     DEVICE_TURN = "device_turn"  # a colocated process's turn on its ring's devices, once over

@@ -11,6 +11,7 @@ from meshy.dataplane.model_source import ModelSource
 from meshy.dataplane.weights import WEIGHTS_STREAM, Published, Transport
 from meshy.infer.engine import Engine
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
+from meshy.recipes.launch.restarts import RESTARTABLE_LEASE_S
 from meshy.recipes.launch.startup import phase_done
 from meshy.recipes.recipe.dataflow import TURNS
 from meshy.recipes.roles.colocation import POLL_S, build_holding_token, join_ring, record_released
@@ -134,6 +135,8 @@ class InferenceRole:
             # Lock-step with the pure-torch engine replays token for token when batches do not hang on timing.
             # (Turns of multi-turn trajectories arrive as tools answer: waves would make each wait for the others.)
             waves=ctx.recipe.algorithm.window == 1 and sampling.engine == "torch" and not multi_turn,
+            # restarting in place, a process's rows come back soon after it dies (renewed while it lives)
+            lease_s=RESTARTABLE_LEASE_S if ctx.recipe.roles.inference.max_restarts else InferenceServiceConfig.lease_s,
         )
         service = InferenceService(ctx.client, engine, config, weight_sync=ctx.weight_sync)
 

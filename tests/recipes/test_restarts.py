@@ -1,0 +1,72 @@
+"""A run that survives a lost engine: inference with max_restarts, SIGKILLed mid-run, started again in place.
+
+The run goes on without a resume; the rows the killed engine held come back when their short leases run
+out and are generated again; the ledger of the finished run holds every version once and every row once.
+A kill past max_restarts stops the run as any death does, and it resumes.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.recipes.test_faults import COMMAND, STOP_WITHIN_S, wait_for_version
+from tests.recipes.test_pipeline import check_run, kill_tree, records, repo_env, small_recipe
+
+STEPS = 10
+
+
+def engine_process(run_dir, attempt: int) -> int:
+    """The pid of inference-0's child process of `attempt` (0: the first), once it has started."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        started = [r for r in records(run_dir, "inference-0") if r["kind"] == "start" and r.get("attempt") == attempt]
+        if started:
+            return int(started[-1]["pid"])
+        time.sleep(0.1)
+    raise AssertionError(f"inference-0's child of attempt {attempt} did not start")
+
+
+def metrics_lines(run_dir) -> int:
+    return len((run_dir / "metrics.jsonl").read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_a_killed_engine_restarts_in_place_and_the_run_loses_nothing_then_a_kill_past_max_restarts_stops_it(
+    tmp_path,
+):
+    recipe = small_recipe(tmp_path, "1", steps=STEPS)
+    text = recipe.read_text().replace("checkpoint_every = 100", "checkpoint_every = 2")
+    recipe.write_text(text.replace("[roles.inference]\n", "[roles.inference]\nmax_restarts = 1\n"))
+    run = subprocess.Popen(
+        [*COMMAND, str(recipe)], env=repo_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        run_dir = wait_for_version(run, tmp_path, 3)
+        first = engine_process(run_dir, 0)
+        os.kill(first, signal.SIGKILL)
+        killed_at = metrics_lines(run_dir)
+        engine_process(run_dir, 1)
+        wait_for_version(run, tmp_path, killed_at + 3)  # the run went on
+        os.kill(engine_process(run_dir, 1), signal.SIGKILL)  # past max_restarts = 1
+        _, stderr = run.communicate(timeout=STOP_WITHIN_S)
+    finally:
+        kill_tree(run)
+        run.wait()
+    stderr = stderr.decode()
+    assert f"inference process 0 (pid {first}) was killed by SIGKILL; starting it again (restart 1 of 1)" in stderr
+    assert "inference process 0 was killed by SIGKILL, past its max_restarts = 1" in stderr, stderr[-3000:]
+    assert run.returncode != 0 and f"meshy run --resume {run_dir}" in stderr
+    (restart,) = [r for r in records(run_dir, "inference-0") if r["kind"] == "restart"]
+    assert restart["pid"] == first and restart["signal"] == "SIGKILL" and restart["restart"] == 1
+    survived = metrics_lines(run_dir)
+    assert survived >= killed_at + 3
+
+    resumed = subprocess.run(
+        [*COMMAND, "--resume", str(run_dir)], env=repo_env(), capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    restored = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
+    check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
