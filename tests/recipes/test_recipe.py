@@ -439,3 +439,23 @@ def test_a_teacher_given_as_a_peft_adapter_is_refused(tmp_path):
     assert f"recipe.model: teacher: {adapter} is a PEFT adapter (adapter_config.json); the teacher never takes" in str(
         err.value
     )
+
+
+@pytest.mark.parametrize(
+    ("top", "role", "value", "needle"),
+    [
+        ("", "rollout", "1", "roles.rollout.max_restarts: only ['inference'] restart in place so far"),
+        ('colocate = [["training", "inference"]]\n', "inference", "1", "a member of a colocate ring cannot restart"),
+        ('publish = "collective"\n', "inference", "2", 'with publish = "collective" every engine is a member'),
+        ("", "inference", "-1", "max_restarts: expected 0 to 1000 per process, got -1"),
+    ],
+)
+def test_restarts_a_role_cannot_take_are_refused_naming_the_field(tmp_path, top, role, value, needle):
+    text = top + DEFAULT_RECIPE.read_text().replace(f"[roles.{role}]\n", f"[roles.{role}]\nmax_restarts = {value}\n")
+    (tmp_path / "r.toml").write_text(text)
+    with pytest.raises(SchemaError, match=re.escape(needle)):
+        load_recipe(tmp_path / "r.toml")
+    (tmp_path / "r.toml").write_text(
+        DEFAULT_RECIPE.read_text().replace("[roles.inference]\n", "[roles.inference]\nmax_restarts = 3\n")
+    )
+    assert load_recipe(tmp_path / "r.toml").roles.inference.max_restarts == 3
