@@ -1,0 +1,134 @@
+"""What a killed process costs a run: wall-clock lost, versions redone, trained tokens thrown away.
+
+    uv run python bench/resume_loss.py [--steps 60] [--checkpoint-every 10] [--seed 0]
+
+Each row is a real `meshy run` of the embedded default recipe (tiny Qwen3, arithmetic, GRPO, W=1) in which
+one process is SIGKILLed at a version drawn at random from the middle third of the run (--seed), then
+resumed with `meshy run --resume` if it stopped; the first row is the same run left alone. The kills: the
+data-plane host's controller (a), the inference process, stopping the run or restarted in place
+(`[roles.inference] max_restarts = 1`) (b), and training rank 0 (c). Wall is from launch to the end of the
+last run, lost is its excess over the undisturbed run. Versions redone are those the killed run had
+trained past the checkpoint it resumed from; their trained tokens were thrown away and generated again.
+What an engine restarted in place had generated and not yet written (its rows in flight) is generated
+again too, and not counted here.
+"""
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from meshy.train import checkpoint
+
+COMMAND = [sys.executable, "-m", "meshy.recipes.cli", "run"]
+KILLS = {
+    "none": None,
+    "(a) data plane, stop + resume": ("dataplane", 0),
+    "(b) inference, stop + resume": ("inference-0", 0),
+    "(b) inference, restarted in place": ("inference-0", 1),
+    "(c) training rank 0, stop + resume": ("training-0", 0),
+}
+
+
+def records(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "records" / f"{name}.jsonl").read_text().splitlines()]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def victim(run_dir: Path, target: str) -> int:
+    """The pid to kill: the controller's, or a role process's (a restartable one's child)."""
+    if target == "dataplane":
+        start = next(r for r in records(run_dir, "training-0") if r["kind"] == "start")
+        return int(start["dataplane"]["controller"])
+    starts = [r for r in records(run_dir, target) if r["kind"] == "start"]
+    return int(starts[-1]["pid"])
+
+
+def wait_for_version(run: subprocess.Popen, root: Path, version: int) -> Path:
+    """The run's directory, once it has trained `version` versions."""
+    while run.poll() is None:
+        found = next(root.glob("*/metrics.jsonl"), None)
+        if found is not None and len(metrics(found.parent)) >= version:
+            return found.parent
+        time.sleep(0.05)
+    sys.exit(f"the run ended before version {version}")
+
+
+def measure(name: str, kill_at: int, args: argparse.Namespace) -> dict:
+    kill = KILLS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = [f"steps={args.steps}", f'run_dir="{tmp}"', f"checkpoint_every={args.checkpoint_every}"]
+        if kill is not None and kill[1]:
+            sets.append(f"roles.inference.max_restarts={kill[1]}")
+        started = time.monotonic()
+        run = subprocess.Popen(
+            COMMAND + [a for s in sets for a in ("--set", s)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        redone = thrown = 0
+        if kill is not None:
+            run_dir = wait_for_version(run, Path(tmp), kill_at)
+            if kill[1]:  # restarting in place: the child running the engine, once it has started
+                while not any(r.get("attempt") == 0 for r in records(run_dir, kill[0]) if r["kind"] == "start"):
+                    time.sleep(0.05)
+            os.kill(victim(run_dir, kill[0]), signal.SIGKILL)
+        _, stderr = run.communicate()
+        (run_dir,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
+        if run.returncode != 0:
+            if kill is None or kill[1]:
+                sys.exit(f"{name}: the run failed\n{stderr[-3000:]}")
+            restored = checkpoint.step_of(checkpoint.latest(run_dir / "checkpoints"))
+            lost = [m for m in metrics(run_dir) if m["version"] > restored]
+            resumed = subprocess.run([*COMMAND, "--resume", str(run_dir)], capture_output=True, text=True)
+            if resumed.returncode != 0:
+                sys.exit(f"{name}: the resume failed\n{resumed.stderr[-3000:]}")
+            redone, thrown = len(lost), sum(m["tokens"] for m in lost)
+        wall = time.monotonic() - started
+        final = metrics(run_dir)
+        assert [m["version"] for m in final] == list(range(1, args.steps + 1)), f"{name}: versions 1..N"
+        rows = [r for m in final for r in m["row_ids"]] + [d["row"] for m in final for d in m["dropped"]]
+        assert len(rows) == len(set(rows)), f"{name}: a row trained twice"
+        return {
+            "name": name,
+            "kill_at": kill_at if kill else None,
+            "wall": wall,
+            "redone": redone,
+            "thrown": thrown,
+            "tokens": sum(m["tokens"] for m in final),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="draws the version each kill comes after")
+    parser.add_argument("--kills", nargs="+", default=list(KILLS), choices=list(KILLS))
+    args = parser.parse_args()
+    draw = random.Random(args.seed)
+    rows = [measure(name, draw.randint(args.steps // 3, 2 * args.steps // 3), args) for name in args.kills]
+    base = next((r["wall"] for r in rows if r["name"] == "none"), None)
+    print(f"\ndefault recipe, {args.steps} versions, checkpoint every {args.checkpoint_every}, seed {args.seed}\n")
+    print("| kill | after version | wall s | lost s | versions redone | trained tokens thrown away |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        lost = f"{r['wall'] - base:+.1f}" if base is not None and r["name"] != "none" else ""
+        share = f"{r['thrown']} ({100 * r['thrown'] / r['tokens']:.1f}% of the run's)" if r["redone"] else "0"
+        print(f"| {r['name']} | {r['kill_at'] or ''} | {r['wall']:.1f} | {lost} | {r['redone']} | {share} |")
+
+
+if __name__ == "__main__":
+    main()
