@@ -87,6 +87,21 @@ def test_expired_leases_return_to_the_front_of_the_pool():
     assert lease(t, "infer", 4, now=11.0).row_ids == [0, 1, 2, 3]
 
 
+def test_a_dead_consumer_s_leases_return_to_the_front_of_the_pool_at_once_and_no_one_else_s():
+    t = table()
+    t.declare_task("infer", ["prompt"], whole_groups=False)
+    put(t, [0, 1, 2, 3, 4], ["prompt"])
+    dead = [lease(t, "infer", 2, consumer="dead"), lease(t, "infer", 1, consumer="dead")]
+    alive = lease(t, "infer", 1, consumer="alive")
+    assert [d.row_ids for d in dead] + [alive.row_ids] == [[0, 1], [2], [3]]
+    assert t.release_consumer("dead") == (3, [])  # nothing retires: the rows are still to be generated
+    assert t.release_consumer("dead") == (0, [])
+    assert list(t.leases) == [alive.lease_id]
+    got = lease(t, "infer", 5, consumer="next", now=1.0)
+    assert sorted(got.row_ids[:3]) == [0, 1, 2] and got.row_ids[3:] == [4]  # at the front, before row 4
+    assert t.expire(10.0)[0] and sorted(t.tasks["infer"].ready) == [3]  # only the live lease was still due
+
+
 def test_renewed_leases_do_not_expire_on_the_old_deadline():
     t = table()
     t.declare_task("infer", ["prompt"], whole_groups=False)

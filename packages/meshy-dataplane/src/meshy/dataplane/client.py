@@ -371,6 +371,12 @@ class DataPlaneClient:
         args = {"table": batch.table, "lease_id": batch.lease_id, "consumer": self.consumer_id}
         return self._call("release", args)
 
+    def release_consumer(self, table: str, consumer: str) -> int:
+        """Return every lease another client (its `consumer_id`) holds on `table` to the pool now, instead of
+        at their expiry: for a consumer known to be dead, such as a restarted process's predecessor. Returns
+        how many units went back."""
+        return self._call("release_consumer", {"table": table, "consumer": consumer})
+
     def table_stats(self, table: str) -> dict:
         return self._call("table_stats", {"table": table})
 

@@ -431,6 +431,13 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         self._dirty.add(("table", table.spec.name))
         return released
 
+    def _op_release_consumer(self, args: dict, identity: Any, request_id: int) -> int:
+        table = self._table(args["table"])
+        released, freed = table.release_consumer(args["consumer"])
+        self._free(table.spec.name, freed)
+        self._dirty.add(("table", table.spec.name))
+        return released
+
     def _op_table_stats(self, args: dict, identity: Any, request_id: int) -> dict:
         return self._table(args["table"]).stats()
 

@@ -306,6 +306,15 @@ class TableState:
         units = len(lease.units)
         return units, self._return_to_pool(lease)
 
+    def release_consumer(self, consumer: str) -> tuple[int, list[int]]:
+        """Give back every lease `consumer` holds now (a consumer known to be dead). Returns how many
+        units, and the storage keys of rows this retires."""
+        units, freed = 0, []
+        for lease in [lease for lease in self.leases.values() if lease.consumer == consumer]:
+            units += len(lease.units)
+            freed += self._return_to_pool(lease)
+        return units, freed
+
     def expire(self, now: float) -> tuple[bool, list[int]]:
         """Return expired leases' unacked units to the front of their task's pool. Returns whether any
         did, and the storage keys of rows this retires."""

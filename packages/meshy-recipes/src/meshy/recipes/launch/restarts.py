@@ -3,8 +3,9 @@ and starts it again when a signal kills it (SIGKILL, the OOM killer), while the 
 
 The rank process (torchrun's) keeps what outlives the role: its slot, the data-plane servers it may host,
 torchrun's end-of-run handshake. The child connects to the data plane anew and builds the role from the
-recipe; the rows its predecessor held return to the pool when their leases (RESTARTABLE_LEASE_S, renewed
-while the rows are generated) run out, and an engine built anew starts from the newest version announced.
+recipe; the rows its predecessor held go back to the pool as it starts (their leases, short and renewed
+while the rows are generated, would run out soon anyway), and an engine built anew starts from the newest
+version announced.
 A child that fails by itself (an exception: a bug, not bad luck) stops the run as any process does, and so
 does a kill past `max_restarts`.
 """
@@ -13,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -20,10 +22,11 @@ from meshy.dataplane import DataPlaneClient, Endpoints, secret_from_env
 from meshy.recipes.launch.nodes import run_dir
 from meshy.recipes.launch.parent_death import die_with_parent
 from meshy.recipes.recipe import load_recipe
+from meshy.recipes.recipe.dataflow import tables
 from meshy.recipes.roles.context import RUN_STREAM, RecordKind, RoleContext, announce_stop
 
-# The lease a restartable process takes rows under: at most this long, rows a killed process held wait to be
-# generated again (its service renews it every third of it, however long a generation takes).
+# The lease a restartable process takes rows under (its service renews it every third of it, however long a
+# generation takes): the longest that rows of a dead process wait, should its supervisor not release them.
 RESTARTABLE_LEASE_S = 30.0
 
 
@@ -33,8 +36,10 @@ def supervise(ctx: RoleContext, recipe_path: str | None, max_restarts: int) -> b
     role, index = ctx.slot.role, ctx.slot.index
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or CUDA state of this one
     for attempt in range(max_restarts + 1):
-        child = spawn.Process(target=child_main, args=(recipe_path, attempt), name=f"meshy-{role}-{index}")
+        consumer, told = spawn.Pipe(duplex=False)  # the child's data-plane consumer id, once it has one
+        child = spawn.Process(target=child_main, args=(recipe_path, attempt, told), name=f"meshy-{role}-{index}")
         child.start()
+        told.close()
         child.join()
         if child.exitcode >= 0:
             return child.exitcode != 0  # ended with the run, or failed (it reported why and announced the stop)
@@ -46,7 +51,15 @@ def supervise(ctx: RoleContext, recipe_path: str | None, max_restarts: int) -> b
             print(f"meshy: {reason}", file=sys.stderr, flush=True)
             announce_stop(ctx.client, reason)
             return True
-        ctx.record(RecordKind.RESTART, pid=child.pid, signal=killed_by, restart=attempt + 1, max_restarts=max_restarts)
+        released = _release_leases(ctx, consumer)
+        ctx.record(
+            RecordKind.RESTART,
+            pid=child.pid,
+            signal=killed_by,
+            restart=attempt + 1,
+            max_restarts=max_restarts,
+            released=released,
+        )
         print(
             f"meshy: {role} process {index} (pid {child.pid}) was killed by {killed_by}; starting it again "
             f"(restart {attempt + 1} of {max_restarts}), the run goes on",
@@ -54,6 +67,14 @@ def supervise(ctx: RoleContext, recipe_path: str | None, max_restarts: int) -> b
             flush=True,
         )
     raise AssertionError("unreachable: the last attempt returns")
+
+
+def _release_leases(ctx: RoleContext, consumer: Connection) -> int:
+    """Returns the rows a dead child held to the pool now (instead of when their leases run out); how many."""
+    if not consumer.poll():
+        return 0  # it died before connecting: it held nothing
+    consumer_id = consumer.recv()
+    return sum(ctx.client.release_consumer(spec.name, consumer_id) for spec in tables(ctx.recipe))
 
 
 def _run_stopped(ctx: RoleContext) -> bool:
@@ -65,7 +86,7 @@ def _run_stopped(ctx: RoleContext) -> bool:
         reader.close()
 
 
-def child_main(recipe_path: str | None, attempt: int) -> None:
+def child_main(recipe_path: str | None, attempt: int, told: Connection) -> None:
     """The role's process: connects to the run's data plane as its rank did, runs the role, exits 1 if the
     role failed."""
     die_with_parent()
@@ -77,6 +98,8 @@ def child_main(recipe_path: str | None, attempt: int) -> None:
     endpoints = Endpoints.from_store(rank.connect_store(recipe))
     name = f"{slot.role}{slot.index}"
     client = DataPlaneClient(endpoints, secret_from_env(), recipe.dataplane, name=name, node=slot.node)
+    told.send(client.consumer_id)
+    told.close()
     ctx = RoleContext(recipe, slot, run_dir(recipe), client)
     threads = torch.get_num_threads()
     ctx.record(RecordKind.START, rank=slot.rank, node=slot.node, pid=os.getpid(), attempt=attempt, threads=threads)
