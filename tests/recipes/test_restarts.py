@@ -61,7 +61,6 @@ def test_a_killed_engine_restarts_in_place_and_the_run_loses_nothing_then_a_kill
     assert run.returncode != 0 and f"meshy run --resume {run_dir}" in stderr
     (restart,) = [r for r in records(run_dir, "inference-0") if r["kind"] == "restart"]
     assert restart["pid"] == first and restart["signal"] == "SIGKILL" and restart["restart"] == 1
-    assert restart["released"] >= 0  # the rows the dead engine held, given back at once
     survived = metrics_lines(run_dir)
     assert survived >= killed_at + 3
 
