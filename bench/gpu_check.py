@@ -181,6 +181,10 @@ def stages(args: argparse.Namespace) -> list[Stage]:
         lora_sync = ["--no-full", "--device", "cuda", "--models", "qwen3-0.6b", "--versions", "2"]
         lora_step = ["--lora-only", "--lora-model", "qwen3-0.6b", "--lora-rows", "8", "--lora-tokens", "1024"]
     weights += ["--lora-ranks"]  # the whole model only: adapter versions are the lora stage's
+    checkpoints = ["--trainer", "--model", "qwen3-tiny", "--rows", "2", "--tokens", "32", "--steps", "2"]
+    if gpu:
+        checkpoints = ["--trainer", "--device", "cuda", "--model", "qwen3-0.6b", "--dtype", "bfloat16"]
+        checkpoints += ["--rows", "4", "--tokens", "1024", "--steps", "5"]
     bench = [sys.executable, str(ROOT / "bench")]
     profile = ["--profile"] if gpu else []
 
@@ -232,6 +236,11 @@ def stages(args: argparse.Namespace) -> list[Stage]:
             120,
             run_recipe(2 if cpu else 10, None, "float32", checkpointing=False, ring=PPO_RING),
             run_figures,
+        ),
+        Stage(
+            "checkpoint",
+            240,
+            lambda scratch: [[bench[0], f"{bench[1]}/checkpoint_cost.py", "--repeats", "1", *checkpoints]],
         ),
         Stage(
             "lora",

@@ -69,6 +69,7 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
             "routing-replay",
             "weight-sync",
             "ring-ppo",
+            "checkpoint",
             "lora",
         )
     ], summary
