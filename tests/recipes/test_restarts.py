@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from meshy.recipes.observe.inspect_run import report
 from tests.recipes.test_faults import COMMAND, STOP_WITHIN_S, wait_for_version
 from tests.recipes.test_pipeline import check_run, kill_tree, records, repo_env, small_recipe
 
@@ -70,3 +71,5 @@ def test_a_killed_engine_restarts_in_place_and_the_run_loses_nothing_then_a_kill
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     restored = max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))
     check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
+    given_back = restart["released"]
+    assert f"inference-0: restarted 1 of 1 times in place (1 x SIGKILL), {given_back} leased rows" in report(run_dir)

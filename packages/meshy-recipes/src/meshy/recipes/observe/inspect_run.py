@@ -58,6 +58,7 @@ def report(run_dir: str | Path) -> str:
     sections = (
         _versions_trained,
         _versions_loaded,
+        _restarts,
         _rings,
         _gpu_handovers,
         _staleness,
@@ -104,6 +105,21 @@ def _versions_loaded(run: RunRecords) -> list[str]:
                 f"{name}: loaded {len(loaded)} versions {loaded[:3]}{'...' if len(loaded) > 3 else ''}"
                 f"  skipped {sum(b - a + 1 for a, b in audit.gaps)}  duplicates {audit.duplicates}"
                 f"  reordered {audit.reordered}"
+            )
+    return out
+
+
+def _restarts(run: RunRecords) -> list[str]:
+    """Each process started again in place (max_restarts): how often, killed by what, rows given back."""
+    out = []
+    for name, records in run.processes.items():
+        restarts = [r for r in records if r["kind"] == RecordKind.RESTART]
+        if restarts:
+            signals = Counter(r["signal"] for r in restarts)
+            out.append(
+                f"{name}: restarted {len(restarts)} of {restarts[-1]['max_restarts']} times in place ("
+                + ", ".join(f"{n} x {signal}" for signal, n in signals.most_common())
+                + f"), {sum(r['released'] for r in restarts)} leased rows given back to the pool"
             )
     return out
 
