@@ -136,24 +136,28 @@ def main(argv: list[str] | None = None) -> None:
     slot, here, slots = this_slot(recipe)
     if slot.rank == 0:
         phase_done("processes started")
-    use_devices(recipe, slot)
+    # A role that restarts in place runs in a child (meshy.recipes.launch.restarts), which takes the slot's
+    # devices; this process only supervises it, and joins no process group.
+    restarts = getattr(dict(recipe.roles.items())[slot.role], "max_restarts", 0)
+    if restarts:
+        torch.set_num_threads(1)
+    else:
+        use_devices(recipe, slot)
     directory = run_dir(recipe)
     (directory / "logs").mkdir(parents=True, exist_ok=True)
     world = recipe.world_size
     store = connect_store(recipe)
     secret = secret_from_env()
     address = os.environ.get(NODE_ADDRESS_ENV) or node_address(recipe, slot.node, os.environ["MASTER_ADDR"])
-    server = host_servers(
-        recipe, slot, slot is here[0], address, store, secret, directory / "logs", lambda: import_role(recipe, slot)
-    )
+    # the role's imports overlap the servers' start (a restarting role's child makes its own)
+    warm_up = (lambda: None) if restarts else (lambda: import_role(recipe, slot))
+    server = host_servers(recipe, slot, slot is here[0], address, store, secret, directory / "logs", warm_up)
     endpoints = Endpoints.from_store(store)
     if slot.rank == 0:
         phase_done("data plane up")
     client = DataPlaneClient(endpoints, secret, recipe.dataplane, name=f"{slot.role}{slot.index}", node=slot.node)
     for spec in tables(recipe):
         client.create_table(spec)
-    # A role that restarts in place runs in a child (meshy.recipes.launch.restarts) and joins no process group.
-    restarts = getattr(dict(recipe.roles.items())[slot.role], "max_restarts", 0)
     if slot.count > 1 and not restarts:
         init_process_group(
             slot.device,
