@@ -21,6 +21,7 @@ import torch
 from meshy.dataplane import DataPlaneClient, Endpoints, secret_from_env
 from meshy.recipes.launch.nodes import run_dir
 from meshy.recipes.launch.parent_death import die_with_parent
+from meshy.recipes.launch.role_process import connect_store, run_role, this_slot, use_devices
 from meshy.recipes.recipe import load_recipe
 from meshy.recipes.recipe.dataflow import tables
 from meshy.recipes.roles.context import RUN_STREAM, RecordKind, RoleContext, announce_stop
@@ -90,12 +91,10 @@ def child_main(recipe_path: str | None, attempt: int, told: Connection) -> None:
     """The role's process: connects to the run's data plane as its rank did, runs the role, exits 1 if the
     role failed."""
     die_with_parent()
-    from meshy.recipes.launch import rank  # (it imports this module)
-
     recipe = load_recipe(recipe_path)
-    slot, _, _ = rank.this_slot(recipe)
-    rank.use_devices(recipe, slot)
-    endpoints = Endpoints.from_store(rank.connect_store(recipe))
+    slot, _, _ = this_slot(recipe)
+    use_devices(recipe, slot)
+    endpoints = Endpoints.from_store(connect_store(recipe))
     name = f"{slot.role}{slot.index}"
     client = DataPlaneClient(endpoints, secret_from_env(), recipe.dataplane, name=name, node=slot.node)
     told.send(client.consumer_id)
@@ -103,7 +102,7 @@ def child_main(recipe_path: str | None, attempt: int, told: Connection) -> None:
     ctx = RoleContext(recipe, slot, run_dir(recipe), client)
     threads = torch.get_num_threads()
     ctx.record(RecordKind.START, rank=slot.rank, node=slot.node, pid=os.getpid(), attempt=attempt, threads=threads)
-    failed = rank.run_role(ctx)
+    failed = run_role(ctx)
     ctx.record_traffic(client.storage_bytes(), endpoints.storage_nodes)
     client.close()
     sys.exit(1 if failed else 0)
