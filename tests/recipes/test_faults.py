@@ -19,7 +19,16 @@ import pytest
 
 from tests.infer.test_sglang_engine import use_stub_kernels
 from tests.recipes.test_agent_run import agent_recipe
-from tests.recipes.test_pipeline import REPO, check_run, kill_tree, records, repo_env, small_recipe, start_time
+from tests.recipes.test_pipeline import (
+    REPO,
+    check_run,
+    checkpointed,
+    kill_tree,
+    records,
+    repo_env,
+    small_recipe,
+    start_time,
+)
 
 STEPS = 10
 COMMAND = [sys.executable, "-m", "meshy.recipes.cli", "run"]
@@ -35,11 +44,14 @@ def victim_pid(run_dir, target: str) -> int:
     return int(start["pid"])
 
 
-def wait_for_version(run, run_root, version: int):
+def wait_for_version(run, run_root, version: int, checkpoint: bool = False):
+    """The run's directory once `version` versions are trained (and, with `checkpoint`, one checkpoint is
+    complete)."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and run.poll() is None:
         metrics = next(run_root.glob("*/metrics.jsonl"), None)
-        if metrics is not None and len(metrics.read_text().splitlines()) >= version:
+        trained = metrics is not None and len(metrics.read_text().splitlines()) >= version
+        if trained and (not checkpoint or checkpointed(metrics.parent)):
             return metrics.parent
         time.sleep(0.05)
     raise AssertionError(f"the run should still be going at version {version}")
@@ -128,7 +140,7 @@ def kill_and_resume(
         text=True,
     )
     try:
-        run_dir = wait_for_version(first, tmp_path, 3)
+        run_dir = wait_for_version(first, tmp_path, 3, checkpoint=True)
         os.kill(victim_pid(run_dir, target), signal.SIGKILL)
         killed_at = time.monotonic()
         _, stderr = first.communicate(timeout=STOP_WITHIN_S)

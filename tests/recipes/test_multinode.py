@@ -21,7 +21,7 @@ from meshy.recipes.launch.shared_dir import probe
 from meshy.recipes.observe.inspect_run import report
 from tests.recipes.test_default_run import per_version
 from tests.recipes.test_faults import children, victim_pid
-from tests.recipes.test_pipeline import REPO, check_run, kill_tree, small_recipe
+from tests.recipes.test_pipeline import REPO, check_run, checkpointed, kill_tree, small_recipe
 
 COMMAND = [sys.executable, "-m", "meshy.recipes.cli", "run"]
 STOP_WITHIN_S = 60  # the promise: every node stops within a minute of a death on any node
@@ -180,11 +180,12 @@ def long_split_recipe(tmp_path: Path, steps: int, checkpoint_every: int = 0) -> 
     return recipe
 
 
-def wait_for_version(nodes: TwoNodes, root: Path, version: int) -> Path:
+def wait_for_version(nodes: TwoNodes, root: Path, version: int, checkpoint: bool = False) -> Path:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and all(n.poll() is None for n in nodes.nodes):
         metrics = next(root.glob("arithmetic-tiny-*/metrics.jsonl"), None)
-        if metrics is not None and len(metrics.read_text().splitlines()) >= version:
+        trained = metrics is not None and len(metrics.read_text().splitlines()) >= version
+        if trained and (not checkpoint or checkpointed(metrics.parent)):
             return metrics.parent
         time.sleep(0.1)
     raise AssertionError(f"the run should still be going at version {version}: {nodes.outputs}")
@@ -210,7 +211,7 @@ def test_a_death_on_one_node_stops_every_node_within_a_minute_and_the_run_resume
     recipe = long_split_recipe(tmp_path, STEPS, checkpoint_every=2)
     port = free_port()
     nodes = two_nodes(tmp_path, port, [str(recipe)])
-    run_dir = wait_for_version(nodes, tmp_path, 3)
+    run_dir = wait_for_version(nodes, tmp_path, 3, checkpoint=True)
     victim = agent_of(nodes, 1) if target == "agent-1" else victim_pid(run_dir, target)
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()

@@ -18,6 +18,7 @@ from meshy.dataplane.hf_directory import HFDirectory
 from meshy.dataplane.model_source import read_model
 from meshy.recipes.recipe import DEFAULT_RECIPE, load_recipe
 from meshy.recipes.roles.rollout import FREE_BATCHES
+from meshy.train import checkpoint
 from meshy.train.parallel import build_model
 from meshy.train.publish import DirectoryPublisher, hf_tensors
 from meshy.train.training_config import ParallelConfig
@@ -67,6 +68,12 @@ def run(recipe: Path) -> Path:
     (run_dir,) = [p for p in recipe.parent.iterdir() if p.is_dir()]
     assert f"run directory: {run_dir.resolve()}" in result.stdout
     return run_dir
+
+
+def checkpointed(run_dir: Path | None) -> bool:
+    """Whether the run has a complete checkpoint: one written in the background (the default) is complete,
+    renamed into place, only after the versions that follow it may have trained."""
+    return run_dir is not None and checkpoint.latest(run_dir / "checkpoints") is not None
 
 
 def records(run_dir: Path, name: str) -> list[dict]:
@@ -366,7 +373,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_finishes_every_versio
         metrics = None
         while time.monotonic() < deadline and crashed.poll() is None:
             metrics = next(tmp_path.glob("*/metrics.jsonl"), None)
-            if metrics is not None and len(metrics.read_text().splitlines()) >= 3:
+            if metrics is not None and len(metrics.read_text().splitlines()) >= 3 and checkpointed(metrics.parent):
                 break
             time.sleep(0.05)
         assert metrics is not None and crashed.poll() is None, "the run should still be going at version 3"
@@ -420,7 +427,7 @@ def test_a_killed_ppo_run_resumes_its_critic_from_the_checkpoint_of_the_policy_v
         while time.monotonic() < deadline and crashed.poll() is None:
             run_dir = next((p for p in tmp_path.iterdir() if p.is_dir()), None)
             saved = run_dir is not None and list((run_dir / "critic_checkpoints").glob("step-*"))
-            if saved and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 5:
+            if saved and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 5 and checkpointed(run_dir):
                 break
             time.sleep(0.05)
         assert run_dir is not None and crashed.poll() is None, "the run should still be going at version 5"
