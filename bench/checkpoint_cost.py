@@ -106,15 +106,18 @@ def trainer_steps(mode: str, args: argparse.Namespace) -> dict:
     }
 
 
-def trainer_table(args: argparse.Namespace) -> None:
-    rows = [trainer_steps(mode, args) for _ in range(args.repeats) for mode in MODES]
-    base = statistics.fmean(r["step_s"] for r in rows if r["mode"] == "off")
-    print(f"{args.model} {args.dtype} on {args.device}, steps of {args.rows} x {args.tokens} tokens, medians")
-    print("| mode | s per step with its checkpoint | checkpoint blocks s | vs off | MB each |")
-    print("|---|---|---|---|---|")
+def print_table(rows: list[dict], time: str, columns: dict[str, str]) -> None:
+    """One line per row: its mode, `time` (seconds) against the mean of the runs without checkpoints, and
+    `columns` (header: format of the row's fields)."""
+    base = statistics.fmean(r[time] for r in rows if r["mode"] == "off")
+    print("| mode | " + " | ".join(columns) + " | vs off |")
+    print("|---|" + "---|" * (len(columns) + 1))
     for r in rows:
-        cost = f"{100 * (r['step_s'] / base - 1):+.1f}%"
-        print(f"| {r['mode']} | {r['step_s']:.3f} | {r['blocked_s']:.3f} | {cost} | {r['mb']:.1f} |")
+        print(
+            f"| {r['mode']} | "
+            + " | ".join(f.format(**r) for f in columns.values())
+            + f" | {r[time] / base - 1:+.1%} |"
+        )
 
 
 def main() -> None:
@@ -131,19 +134,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="--trainer: tokens per row")
     args = parser.parse_args()
     if args.trainer:
-        trainer_table(args)
+        rows = [trainer_steps(mode, args) for _ in range(args.repeats) for mode in MODES]
+        print(f"{args.model} {args.dtype} on {args.device}, steps of {args.rows} x {args.tokens} tokens, medians")
+        columns = {"s per step with its checkpoint": "{step_s:.3f}", "checkpoint blocks s": "{blocked_s:.3f}"}
+        print_table(rows, "step_s", {**columns, "MB each": "{mb:.1f}"})
         return
     rows = [measure(mode, args) for _ in range(args.repeats) for mode in MODES]
     base = statistics.fmean(r["mean_s"] for r in rows if r["mode"] == "off")
     print(f"default recipe, {args.steps} versions, pacing {args.pacing}; means over versions {args.warmup + 1}+")
-    print("| mode | s per version (mean) | median | vs off | checkpoints | MB each |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        cost = f"{100 * (r['mean_s'] / base - 1):+.1f}%"
-        print(
-            f"| {r['mode']} | {r['mean_s']:.3f} | {r['median_s']:.3f} | {cost} | {r['checkpoints']} | "
-            f"{r['checkpoint_mb']:.1f} |"
-        )
+    columns = {"s per version (mean)": "{mean_s:.3f}", "median": "{median_s:.3f}", "checkpoints": "{checkpoints}"}
+    print_table(rows, "mean_s", {**columns, "MB each": "{checkpoint_mb:.1f}"})
     for mode in MODES:
         mean = statistics.fmean(r["mean_s"] for r in rows if r["mode"] == mode)
         print(f"{mode}: {mean:.3f} s per version, {100 * (mean / base - 1):+.1f}% against off")
