@@ -16,7 +16,7 @@ from meshy.dataplane.moved_modules import keep_old_paths
 _EXPORTS = {
     "meshy.dataplane.audit": ["SequenceAudit"],
     "meshy.dataplane.bursts": ["Bursts"],
-    "meshy.dataplane.client": ["Batch", "DataPlaneClient", "StreamMessage", "StreamReader"],
+    "meshy.dataplane.client": ["Batch", "DataPlaneClient", "Rows", "StreamMessage", "StreamReader"],
     "meshy.dataplane.config": ["DataPlaneConfig"],
     "meshy.dataplane.devices": ["HOST", "free_bytes", "free_cached"],
     "meshy.dataplane.endpoints": ["Endpoints"],

@@ -60,6 +60,21 @@ class Batch:
         return len(self.row_ids)
 
 
+@dataclass
+class Rows:
+    """Every row of a table as it is now, read without a lease (`DataPlaneClient.peek`): ids, groups, the
+    tasks that acked each, and per column asked for, each row's value (None where it has none yet)."""
+
+    table: str
+    row_ids: list[int]
+    group_ids: list[int]
+    done: list[set[str]]
+    columns: dict[str, list]
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+
 @dataclass(frozen=True)
 class StreamMessage:
     seq: int
@@ -376,6 +391,37 @@ class DataPlaneClient:
         at their expiry: for a consumer known to be dead, such as a restarted process's predecessor. Returns
         how many units went back."""
         return self._call("release_consumer", {"table": table, "consumer": consumer})
+
+    def existing(self, table: str, row_ids: Sequence[int]) -> list[int]:
+        """Which of `row_ids` the table holds now (a resumed run's producer skips rows its data plane kept)."""
+        check_row_ids(list(row_ids), "existing row_ids")
+        return self._call("existing", {"table": table, "row_ids": list(row_ids)})
+
+    def peek(self, table: str, columns: Sequence[str]) -> Rows:
+        """Every row of the table with `columns`, without leasing them: what a resumed run reads of the rows its
+        data plane kept, to decide which it can use. Costs one storage read per set of rows written together."""
+        spec = self.table(table)
+        columns = list(columns)
+        for c in columns:
+            spec.column(c)
+        found = self._call("peek", {"table": table, "columns": columns})
+        values = {}
+        for c, keys in found["keys"].items():
+            have = [i for i, k in enumerate(keys) if k >= 0]
+            column = [None] * len(keys)
+            if have:
+                fetched = self._fetch(spec, {c: [keys[i] for i in have]})[c]
+                for i, value in zip(have, fetched, strict=True):
+                    column[i] = value
+            values[c] = column
+        done = [set(tasks) for tasks in found["done"]]
+        return Rows(table, found["row_ids"], found["group_ids"], done, values)
+
+    def drop(self, table: str, row_ids: Sequence[int]) -> int:
+        """End these rows' life now, whatever tasks consumed them (rows a resumed run cannot use); rows held by a
+        lease are refused (SchemaError, nothing dropped). Returns how many storage keys that frees."""
+        check_row_ids(list(row_ids), "drop row_ids")
+        return self._call("drop", {"table": table, "row_ids": list(row_ids)})
 
     def table_stats(self, table: str) -> dict:
         return self._call("table_stats", {"table": table})

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from meshy.dataplane.errors import SchemaError
 from meshy.dataplane.fields import check_fields
+from meshy.dataplane.record_log import DurableMode
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,17 @@ class DataPlaneConfig:
     """Most messages a control stream keeps; older ones are reclaimed even if unread."""
     alloc_block: int = 256
     """Storage keys a client reserves per controller round trip."""
+    durable: DurableMode = "batched"
+    """Keep the rows on disk too (with `durable_dir`): every storage unit appends what it stores to a log, and the
+    controller journals its tables, so a data plane started again over the same directory (`meshy run --resume`)
+    has every row that was not retired. "batched" fsyncs every `durable_sync_s`, "sync" before each write is
+    answered, "off" keeps nothing. A killed process loses nothing in either mode (the writes are in the page
+    cache); they differ for a host that loses power."""
+    durable_dir: str | None = None
+    """Where this host's logs go. `meshy run` sets the run directory's dataplane/node<N>/ unless the recipe
+    names a local disk here; None: no logs (a data plane started by itself keeps rows in memory only)."""
+    durable_sync_s: float = 0.1
+    """How often "batched" fsyncs the logs while they have unsynced writes."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -53,9 +65,14 @@ class DataPlaneConfig:
         for name in ("num_storage_units", "stream_retain", "alloc_block"):
             if getattr(self, name) < 1:
                 raise SchemaError(f"DataPlaneConfig.{name}: expected an integer >= 1, got {getattr(self, name)}")
-        for name in ("rpc_timeout_s", "wait_slice_s", "start_timeout_s", "lease_s"):
+        for name in ("rpc_timeout_s", "wait_slice_s", "start_timeout_s", "lease_s", "durable_sync_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise SchemaError(f"DataPlaneConfig.{name}: expected finite seconds > 0, got {getattr(self, name)}")
+
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether the servers log what they hold to disk."""
+        return self.durable != "off" and self.durable_dir is not None
 
     @property
     def encrypted(self) -> bool:

@@ -25,6 +25,7 @@ from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, format_zm
 
 from meshy.dataplane.config import DataPlaneConfig
 from meshy.dataplane.errors import DataPlaneError, SchemaError
+from meshy.dataplane.journal import Journal
 from meshy.dataplane.rings import RingState, ledger_stream
 from meshy.dataplane.schema import TableSpec
 from meshy.dataplane.security import Credentials
@@ -40,6 +41,7 @@ MAX_BATCH_ROWS = 1 << 20
 CLEAR_BATCH_KEYS = 1024
 CLEAR_DELAY_S = 0.05
 MAX_WAKE_PASSES = 16
+RESTORED_KEYS = "meshy/restored"  # index-manager partition of keys a journal left unused, cleared before reuse
 _DEFERRED = object()
 _packer = msgspec.msgpack.Encoder()
 
@@ -136,6 +138,10 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         self._dirty: set[tuple[str, str]] = set()
         self._lease_ids = itertools.count(1)
         self._spare_keys: dict[str, list[list[int]]] = {}  # table -> per storage unit, keys allocated, unused
+        self._journal: Journal | None = None
+        self._high_water = 0  # storage keys below it were handed out (journaled)
+        self._unused_keys: list[int] = []  # restored: keys handed out before but holding no row's column
+        self.restored: dict | None = None
         self._ops: dict[str, Callable[[dict, Any, int], Any]] = {
             name.removeprefix("_op_"): getattr(self, name) for name in dir(self) if name.startswith("_op_")
         }
@@ -143,12 +149,16 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
 
     # ---- the loop -----------------------------------------------------------------------------
     def _start_process_request(self) -> None:
+        if self._config.keeps_rows:
+            self._restore()
         self.process_request_thread = Thread(target=self._serve, name="MeshyControllerLoop", daemon=True)
         self.process_request_thread.start()
 
     def _serve(self) -> None:
         sock = self.request_handle_socket
         self._clearer = _StorageClearer(self.zmq_context, self._storage_units, self._creds)
+        if self._unused_keys:
+            self._clearer.queue(RESTORED_KEYS, self._unused_keys, time.monotonic())
         self._perf = IntervalPerfMonitor(caller_name=self.controller_id)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -177,6 +187,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
 
     def _tick(self, sock: zmq.Socket, now: float) -> None:
         self._clearer.flush(now)
+        if self._journal is not None:
+            self._journal.compact_if_due(self._tables, self._high_water)
         for name, table in self._tables.items():
             changed, freed = table.expire(now)
             if changed:
@@ -273,6 +285,34 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         self._waiters.append(_Waiter(identity, request_id, key, time.monotonic() + wait_s, attempt, on_timeout))
         return _DEFERRED
 
+    # ---- durable rows -------------------------------------------------------------------------
+    def _restore(self) -> None:
+        """Read the journal back (meshy.dataplane.journal): the tables as they were, their rows' storage
+        keys taken, every other key handed out before cleared before it is used again."""
+        directory = self._config.durable_dir
+        self._journal, restored = Journal.open(directory, self._config.durable, self._config.durable_sync_s)
+        manager = self.index_manager
+        manager.global_index_counter = max(manager.global_index_counter, restored.high_water)
+        live: set[int] = set()
+        for name, table in restored.tables.items():
+            self._tables[name] = table
+            self.create_partition(name)
+            keys = {k for row in table.rows.values() for k in row.keys.values()}
+            manager.partition_to_indexes[name].update(keys)
+            live |= keys
+        self._unused_keys = [k for k in range(restored.high_water) if k not in live]
+        manager.partition_to_indexes[RESTORED_KEYS].update(self._unused_keys)
+        manager.allocated_indexes.update(live, self._unused_keys)
+        self._note_high_water()
+        rows = {name: len(t.rows) for name, t in restored.tables.items()}
+        self.restored = {"rows": rows, "torn_bytes": restored.torn_bytes, "log_bytes": self._journal.size}
+
+    def _note_high_water(self) -> None:
+        counter = self.index_manager.global_index_counter
+        if self._journal is not None and counter > self._high_water:
+            self._journal.high_water(counter)
+        self._high_water = max(self._high_water, counter)
+
     # ---- helpers ------------------------------------------------------------------------------
     def _table(self, name: Any) -> TableState:
         table = self._tables.get(name)
@@ -325,6 +365,9 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         else:
             self._tables[spec.name] = TableState(spec)
             self.create_partition(spec.name)
+            if self._journal is not None:
+                self._journal.table(spec)
+                self._note_high_water()
         return spec.to_wire()
 
     def _op_get_table(self, args: dict, identity: Any, request_id: int) -> dict:
@@ -355,6 +398,7 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             ask = -(-(n - len(keys)) * count // len(wanted))  # enough, were the keys fresh (spread evenly)
             for key in self.index_manager.allocate_indexes(table, ask):
                 (keys if key % count in wanted and len(keys) < n else spare[key % count]).append(key)
+        self._note_high_water()
         return keys
 
     def _op_release_keys(self, args: dict, identity: Any, request_id: int) -> None:
@@ -371,6 +415,10 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         table.check_commit(args["new"], row_ids, args.get("group_ids"), args["columns"])
         if ack is not None:
             table.check_ack(ack["task"], ack["row_ids"])
+        if self._journal is not None:  # journaled first: a write that fails changes nothing
+            self._journal.commit(name, args["new"], row_ids, args.get("group_ids"), args["columns"], keys)
+            if ack is not None:
+                self._journal.ack(name, ack["task"], ack["row_ids"])
         table.commit(args["new"], row_ids, args.get("group_ids"), args["columns"], keys)
         self._dirty.add(("table", name))
         if ack is None:
@@ -398,6 +446,9 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             and groups[0] < groups[1]
         ):
             raise SchemaError(f"lease: group_range must be [first, end) of ints with whole_groups, got {groups!r}")
+        if task not in table.tasks and self._journal is not None:
+            table.declare_task(task, args["columns"], args["whole_groups"])
+            self._journal.task(name, task, args["columns"], args["whole_groups"])
         table.declare_task(task, args["columns"], args["whole_groups"])
 
         def attempt() -> dict | None:
@@ -416,6 +467,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         name = args["table"]
         table = self._table(name)
         table.check_ack(args["task"], args["row_ids"])
+        if self._journal is not None:
+            self._journal.ack(name, args["task"], args["row_ids"])
         result, freed = table.ack(args["task"], args["row_ids"], args["consumer"])
         self._free(name, freed)
         self._dirty.add(("table", name))
@@ -437,6 +490,35 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         self._free(table.spec.name, freed)
         self._dirty.add(("table", table.spec.name))
         return released
+
+    def _op_drop(self, args: dict, identity: Any, request_id: int) -> int:
+        table = self._table(args["table"])
+        row_ids = args["row_ids"]
+        if not isinstance(row_ids, list) or not all(isinstance(r, int) for r in row_ids):
+            raise SchemaError(f"drop: row_ids must be a list of ints, got {row_ids!r:.80}")
+        table.check_drop(row_ids)
+        if self._journal is not None:
+            self._journal.drop(table.spec.name, row_ids)
+        freed = table.drop(row_ids)
+        self._free(table.spec.name, freed)
+        self._dirty.add(("table", table.spec.name))
+        return len(freed)
+
+    def _op_existing(self, args: dict, identity: Any, request_id: int) -> list[int]:
+        rows = self._table(args["table"]).rows
+        return [r for r in args["row_ids"] if r in rows]
+
+    def _op_peek(self, args: dict, identity: Any, request_id: int) -> dict:
+        table = self._table(args["table"])
+        for c in args["columns"]:
+            table.spec.column(c)
+        rows = table.rows
+        return {
+            "row_ids": list(rows),
+            "group_ids": [row.group for row in rows.values()],
+            "done": [sorted(row.done) for row in rows.values()],
+            "keys": {c: [row.keys.get(c, -1) for row in rows.values()] for c in args["columns"]},
+        }
 
     def _op_table_stats(self, args: dict, identity: Any, request_id: int) -> dict:
         return self._table(args["table"]).stats()

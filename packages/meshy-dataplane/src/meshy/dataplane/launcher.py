@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from meshy.dataplane.config import DataPlaneConfig
 from meshy.dataplane.security import SECRET_ENV, Credentials
@@ -41,8 +42,22 @@ def _server_info(info: object) -> dict:
     return {"role": str(info.role.value), "id": info.id, "ip": info.ip, "ports": dict(info.ports)}
 
 
-def _fork_server(make: Callable[[], object], timeout_s: float) -> tuple[int, dict]:
-    """Fork a child that builds one server, reports its endpoint through a pipe, then serves forever."""
+def _storage_unit(tq_storage: object, config: DataPlaneConfig, index: int) -> object:
+    """One TransferQueue storage unit; with durable rows, over a log it first reads back."""
+    unit = tq_storage.SimpleStorageUnit.__ray_actor_class__({})
+    if config.keeps_rows:
+        from meshy.dataplane.durable_storage import DurableUnitData
+
+        path = Path(config.durable_dir) / f"storage-{index}.log"
+        data = DurableUnitData(path, config.durable, config.durable_sync_s)
+        unit.storage_data = data  # before any request: nobody knows the unit's address yet
+        unit.restored = {"rows": data.active_key_count, "torn_bytes": data.torn_bytes, "log_bytes": data.log_bytes}
+    return unit
+
+
+def _fork_server(make: Callable[[], object], timeout_s: float) -> tuple[int, dict, dict | None]:
+    """Fork a child that builds one server, reports its endpoint (and what it read back from disk, if
+    anything) through a pipe, then serves forever."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -50,7 +65,8 @@ def _fork_server(make: Callable[[], object], timeout_s: float) -> tuple[int, dic
         try:
             _die_with_parent()
             server = make()
-            os.write(write_end, (json.dumps({"info": _server_info(server.get_zmq_server_info())}) + "\n").encode())
+            report = {"info": _server_info(server.get_zmq_server_info()), "restored": getattr(server, "restored", None)}
+            os.write(write_end, (json.dumps(report) + "\n").encode())
         except BaseException:
             os.write(write_end, (json.dumps({"error": traceback.format_exc()}) + "\n").encode())
             os._exit(1)
@@ -72,7 +88,7 @@ def _fork_server(make: Callable[[], object], timeout_s: float) -> tuple[int, dic
     report = json.loads(data)
     if "error" in report:
         raise RuntimeError(f"server process {pid} failed to start:\n{report['error']}")
-    return pid, report["info"]
+    return pid, report["info"], report["restored"]
 
 
 def _stop(pids: list[int]) -> None:
@@ -125,20 +141,20 @@ def main() -> None:
     tq_storage.limit_pytorch_auto_parallel_threads = lambda **_: contextlib.nullcontext()
     pids: list[int] = []
     try:
-        storage = []
-        for _ in range(config.num_storage_units):
-            pid, info = _fork_server(
-                lambda: tq_storage.SimpleStorageUnit.__ray_actor_class__({}), config.start_timeout_s
-            )
+        storage, restored = [], []
+        for i in range(config.num_storage_units):
+            pid, info, kept = _fork_server(lambda i=i: _storage_unit(tq_storage, config, i), config.start_timeout_s)
             pids.append(pid)
             storage.append(info)
+            restored.append(kept)
     except BaseException as e:
         _stop(pids)
         print(json.dumps({"error": str(e)}), flush=True)
         sys.exit(1)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(json.dumps({"storage": storage, "pids": {"launcher": os.getpid(), "storage": list(pids)}}), flush=True)
+    pid_report = {"launcher": os.getpid(), "storage": list(pids)}
+    print(json.dumps({"storage": storage, "pids": pid_report, "restored": restored}), flush=True)
     running = list(pids)  # reaped ones leave: their pids may soon belong to unrelated processes
     buffered = b""
     try:
@@ -151,14 +167,14 @@ def main() -> None:
                 request, buffered = _controller_request(buffered + data)
                 if request is not None:  # the whole run's storage units are known: serve them
                     try:
-                        pid, controller = _fork_server(
+                        pid, controller, kept = _fork_server(
                             lambda r=request: MeshyController(r["storage"], creds, config), config.start_timeout_s
                         )
                     except RuntimeError as e:
                         print(json.dumps({"error": str(e)}), flush=True)
                         return
                     running.append(pid)
-                    print(json.dumps({"controller": controller, "pid": pid}), flush=True)
+                    print(json.dumps({"controller": controller, "pid": pid, "restored": kept}), flush=True)
             for pid in list(running):
                 try:
                     if os.waitpid(pid, os.WNOHANG)[0] == pid:

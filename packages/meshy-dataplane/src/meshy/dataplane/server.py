@@ -50,12 +50,21 @@ class DataPlaneServer:
     They stop when `shutdown` is called, when this object's process exits, or when it is killed.
     """
 
-    def __init__(self, process: subprocess.Popen, config: DataPlaneConfig, storage: list[dict], pids: dict[str, Any]):
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        config: DataPlaneConfig,
+        storage: list[dict],
+        pids: dict[str, Any],
+        restored: list[dict | None],
+    ):
         self._process = process
         self.config = config
         self.storage = storage  # this host's storage units, as TransferQueue describes servers
         self.pids = pids
         self.endpoints: Endpoints | None = None
+        # What the servers read back from their logs (config.durable): per storage unit, then "controller".
+        self.restored: dict[str, Any] = {"storage": restored, "controller": None}
 
     @classmethod
     def start(cls, secret: bytes, config: DataPlaneConfig | None = None, log: IO | None = None) -> "DataPlaneServer":
@@ -92,7 +101,7 @@ class DataPlaneServer:
             process.wait()
             raise
         report = _report(process, config.start_timeout_s, "storage")
-        return cls(process, config, report["storage"], report["pids"])
+        return cls(process, config, report["storage"], report["pids"], report.get("restored", []))
 
     def start_controller(self, storage: list[dict], nodes: list[int] | None = None) -> Endpoints:
         """Start the controller here, over the run's storage units (this host's among them) on `nodes`
@@ -104,6 +113,7 @@ class DataPlaneServer:
         self._process.stdin.flush()
         report = _report(self._process, self.config.start_timeout_s, "controller")
         self.pids["controller"] = report["pid"]
+        self.restored["controller"] = report.get("restored")
         self.endpoints = Endpoints(report["controller"], tuple(storage), self.config.encrypted, tuple(nodes))
         return self.endpoints
 

@@ -341,6 +341,39 @@ class TableState:
         members = [r for u in back for r in (list(self.groups.get(u, ())) if task.whole_groups else [u])]
         return [k for r in members for k in self._retire_if_done(r)]
 
+    def check_drop(self, row_ids: Sequence[int]) -> None:
+        for r in row_ids:
+            row = self.rows.get(r)
+            for name, task in self.tasks.items():
+                if row is not None and (row.group if task.whole_groups else r) in task.leased:
+                    raise SchemaError(f"table '{self.spec.name}': row {r} is leased for task '{name}'; not dropped")
+
+    def drop(self, row_ids: Sequence[int]) -> list[int]:
+        """End rows' life now, whatever tasks acked them (rows a resumed run cannot use; absent ones are
+        skipped); call check_drop first (a leased row is refused). Returns their storage keys."""
+        return [k for r in row_ids if r in self.rows for k in self._retire(r)]
+
+    def snapshot(self) -> dict:
+        """The table's state but its leases (what the controller's journal keeps)."""
+        return {
+            "spec": self.spec.to_wire(),
+            "tasks": {name: [list(t.columns), t.whole_groups] for name, t in self.tasks.items()},
+            "rows": [[r, row.group, row.keys, sorted(row.done)] for r, row in self.rows.items()],
+            "retired": self.retired,
+        }
+
+    @classmethod
+    def from_snapshot(cls, state: dict) -> "TableState":
+        """A table as `snapshot` kept it, every row not yet done offered to its tasks again."""
+        table = cls(TableSpec.from_wire(state["spec"]))
+        for r, group, keys, done in state["rows"]:
+            table.rows[r] = _Row(group, dict(keys), set(done))
+            table.groups.setdefault(group, []).append(r)
+        for name, (columns, whole_groups) in state["tasks"].items():
+            table.declare_task(name, columns, whole_groups)
+        table.retired = state["retired"]
+        return table
+
     def next_deadline(self) -> float | None:
         return self._expiry[0][0] if self._expiry else None
 
