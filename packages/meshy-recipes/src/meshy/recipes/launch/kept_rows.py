@@ -1,0 +1,113 @@
+"""Which of the rows a stopped run's data plane read back from disk its resumed run keeps.
+
+The resumed trainer carries on from the newest complete checkpoint's version v and trains batch v next
+(batch b trains into version b + 1; the rollout role writes the same prompts under the same row ids again,
+skipping the rows that are still there). Rows are kept or dropped by whole groups (advantages are a
+group's), before any role starts:
+
+- a group of a batch before v was trained into the restored version already;
+- a group the trainer acked was trained after the checkpoint, by versions the resumed run discards: it is
+  trained again, from new generations;
+- a group with a token generated under a version after v came from a policy the resumed run discards;
+- in a multi-turn run, every row of the turns table (the trajectories in progress: their environments'
+  state died with the run; their rollout rows are played again).
+
+The rest is kept: prompts still waiting for generation, and responses generated under v or before (the
+trainer masks tokens older than max_staleness as it always does). Counts and length figures by reason go
+to the records, for `meshy inspect`.
+"""
+
+from collections import defaultdict
+from pathlib import Path
+
+from meshy.dataplane import DataPlaneClient
+from meshy.dataplane import columns as cols
+from meshy.recipes.recipe import Recipe
+from meshy.recipes.recipe.dataflow import TURNS, rollout_table
+from meshy.train import checkpoint
+
+
+def restored_version(run_dir: Path) -> int:
+    """The version a resumed run carries on from: the newest complete checkpoint's, or 0."""
+    newest = checkpoint.latest(run_dir / "checkpoints")
+    return checkpoint.step_of(newest) if newest is not None else 0
+
+
+def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, tables: list[str]) -> dict:
+    """Drop what the resumed run cannot use from the restored `tables`; what was kept and dropped, and why."""
+    version = restored_version(run_dir)
+    kept: dict[str, list[int]] = {"kept": [], "waiting": []}  # response lengths of rows kept, and prompts kept
+    lengths: dict[str, list[int]] = defaultdict(list)  # why dropped -> response lengths
+    table = rollout_table(recipe).name
+    if table in tables:
+        rows = client.peek(table, [cols.RESPONSE_IDS, cols.TOKEN_VERSIONS])
+        reasons = _group_reasons(rows, version, recipe.algorithm.prompts_per_step)
+        dropped = []
+        for i, row in enumerate(rows.row_ids):
+            response = rows.columns[cols.RESPONSE_IDS][i]
+            reason = reasons.get(rows.group_ids[i])
+            if reason is not None:
+                dropped.append(row)
+                lengths[reason].append(_length(response))
+            else:
+                kept["kept" if response is not None else "waiting"].append(_length(response))
+        if dropped:
+            client.drop(table, dropped)
+    if TURNS in tables:
+        turns = client.peek(TURNS, [])
+        if turns.row_ids:
+            client.drop(TURNS, turns.row_ids)
+            lengths["a turn of a trajectory in progress (its environment's state died with the run)"] += [0] * len(
+                turns
+            )
+    return {
+        "version": version,
+        **{what: _figures(n) for what, n in kept.items()},
+        "dropped": {reason: _figures(n) for reason, n in lengths.items()},
+    }
+
+
+def _group_reasons(rows, version: int, prompts_per_step: int) -> dict[int, str]:
+    """Why each dropped group goes (groups kept have no entry)."""
+    reasons: dict[int, str] = {}
+    train = cols.TRAIN_TASK.name
+    for i, group in enumerate(rows.group_ids):
+        versions = rows.columns[cols.TOKEN_VERSIONS][i]
+        if group // prompts_per_step < version:
+            reason = f"its batch was trained into v{version}, the version resumed from"
+        elif train in rows.done[i]:
+            reason = f"trained after the checkpoint of v{version}: trained again, from new generations"
+        elif versions is not None and len(versions) and int(versions.max()) > version:
+            reason = f"generated under a version after v{version}, which the resumed run discards"
+        else:
+            continue
+        reasons.setdefault(group, reason)
+    return reasons
+
+
+def _length(response) -> int:
+    return 0 if response is None else len(response)
+
+
+def _figures(lengths: list[int]) -> dict:
+    ordered = sorted(lengths) or [0]
+    return {
+        "rows": len(lengths),
+        "tokens": sum(ordered),
+        "length_p50": ordered[len(ordered) // 2],
+        "length_p90": ordered[min(len(ordered) - 1, len(ordered) * 9 // 10)],
+        "length_max": ordered[-1],
+    }
+
+
+def kept_rows_line(kept: dict) -> str:
+    """What a resumed run kept, in one line for its output."""
+    line = (
+        f"data plane: kept {kept['kept']['rows']} generated rows ({kept['kept']['tokens']} tokens) and "
+        f"{kept['waiting']['rows']} prompts waiting for generation from the stopped run, resuming at v{kept['version']}"
+    )
+    for reason, figures in kept["dropped"].items():
+        line += f"; dropped {figures['rows']} rows ({figures['tokens']} tokens): {reason}"
+    if kept.get("torn_bytes"):
+        line += f"; a torn record of {kept['torn_bytes']} bytes cut from the journal"
+    return line
