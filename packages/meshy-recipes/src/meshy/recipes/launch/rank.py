@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshy.dataplane import DataPlaneClient, Endpoints, secret_from_env
+from meshy.recipes.launch.kept_rows import kept_rows_line
 from meshy.recipes.launch.nodes import NODE_ADDRESS_ENV, node_address, run_dir
 from meshy.recipes.launch.restarts import supervise
 from meshy.recipes.launch.role_process import connect_store, import_role, run_role, this_slot, use_devices
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     address = os.environ.get(NODE_ADDRESS_ENV) or node_address(recipe, slot.node, os.environ["MASTER_ADDR"])
     # the role's imports overlap the servers' start (a restarting role's child makes its own)
     warm_up = (lambda: None) if restarts else (lambda: import_role(recipe, slot))
-    server = host_servers(recipe, slot, slot is here[0], address, store, secret, directory / "logs", warm_up)
+    server, kept = host_servers(recipe, slot, slot is here[0], address, store, secret, directory, warm_up)
     endpoints = Endpoints.from_store(store)
     if slot.rank == 0:
         phase_done("data plane up")
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
         dataplane=servers,
         endpoints=published,
     )
+    if kept is not None:
+        ctx.record(RecordKind.KEPT_ROWS, **kept)
+        print(kept_rows_line(kept), flush=True)
     watched = [spec.name for spec in tables(recipe)]
     watchdog = Watchdog(client, watched, directory, recipe.stall_after_s) if slot.rank == 0 else None
     if watchdog is not None:

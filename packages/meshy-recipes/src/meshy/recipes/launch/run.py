@@ -21,6 +21,7 @@ import torch.distributed as dist
 from meshy.dataplane import SchemaError
 from meshy.dataplane.security import SECRET_ENV
 from meshy.recipes.launch.cluster import SILENT, Cluster, parse_endpoint
+from meshy.recipes.launch.durable_rows import discard_rows
 from meshy.recipes.launch.nodes import (
     INTERFACE_ENVS,
     NODE_ADDRESS_ENV,
@@ -120,7 +121,9 @@ def run_one_node(recipe: Recipe, directory: Path, secret: bytes) -> int:
     output = TorchrunOutput(torchrun.process, directory / "logs" / TORCHRUN_REPORT)
     code = torchrun.process.wait()
     root = output.finish()
-    if code != 0:
+    if code == 0:
+        discard_rows(recipe, directory, 0)
+    else:
         slots = assign(recipe, recipe.world_size)
         cause = torchrun.stopped_by or failure(0, on_node(slots, 0), code, root)
         print(stopped_report(recipe, directory, code, [cause]), file=sys.stderr)
@@ -235,6 +238,7 @@ class NodeRun:
         # Node 0 hosts the store: it stays until every node has said how it ended.
         statuses = self.cluster.statuses(timeout_s=120.0 if self.node == 0 else 10.0)
         if not failed and all(s is not None and not s["failed"] for s in statuses.values()):
+            discard_rows(self.recipe, directory, self.node)
             return 0
         causes = sorted(
             ((n, s) for n, s in statuses.items() if s is not None and s["cause"]), key=lambda item: item[1]["time"]

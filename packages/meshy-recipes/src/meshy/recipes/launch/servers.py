@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshy.dataplane import DataPlaneServer
+from meshy.dataplane import DataPlaneClient, DataPlaneServer
+from meshy.recipes.launch.durable_rows import with_rows_dir
+from meshy.recipes.launch.kept_rows import keep_restored_rows
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.recipe.topology import Slot
 
@@ -27,20 +29,24 @@ def host_servers(
     address: str,
     store: dist.Store,
     secret: bytes,
-    logs: Path,
+    run_dir: Path,
     meanwhile: Callable[[], object] = lambda: None,
-) -> DataPlaneServer | None:
-    """Start the servers this process hosts (None: it hosts none); rank 0 publishes the endpoints.
-    `meanwhile` runs in every process, while the servers start where it hosts them."""
+) -> tuple[DataPlaneServer | None, dict | None]:
+    """Start the servers this process hosts (None: it hosts none); rank 0 publishes the endpoints. With
+    rows kept on disk from a stopped run, rank 0 first drops those the resumed run cannot use, and returns
+    what it kept (meshy.recipes.launch.kept_rows; None: nothing was restored). `meanwhile` runs in every
+    process, while the servers start where it hosts them."""
     if not first_on_node:
         meanwhile()
-        return None
+        return None, None
     nodes = recipe.topology.nodes
     config = dataclasses.replace(recipe.dataplane, host=address) if nodes > 1 else recipe.dataplane
+    config = with_rows_dir(config, recipe, run_dir, slot.node)
     log_name = "dataplane.log" if slot.node == 0 else f"dataplane-node{slot.node}.log"
-    with open(logs / log_name, "ab") as log:  # the servers keep their own descriptor
+    with open(run_dir / "logs" / log_name, "ab") as log:  # the servers keep their own descriptor
         server = DataPlaneServer.start_storage(secret, config, log=log, meanwhile=meanwhile)
     store.set(f"{STORAGE_KEY}{slot.node}", json.dumps(server.storage))
+    kept = None
     if slot.rank == 0:
         units, where = [], []
         for node in range(nodes):
@@ -48,6 +54,12 @@ def host_servers(
             storage = json.loads(store.get(f"{STORAGE_KEY}{node}"))
             units += storage
             where += [node] * len(storage)
-        server.start_controller(units, where)
+        endpoints = server.start_controller(units, where)
+        restored = (server.restored["controller"] or {}).get("rows", {})
+        if any(restored.values()):
+            with DataPlaneClient(endpoints, secret, recipe.dataplane, name="resume") as client:
+                kept = keep_restored_rows(recipe, run_dir, client, list(restored))
+            units_torn = sum(unit["torn_bytes"] for unit in server.restored["storage"] if unit)
+            kept["torn_bytes"] = server.restored["controller"]["torn_bytes"] + units_torn
         server.publish(store)
-    return server
+    return server, kept

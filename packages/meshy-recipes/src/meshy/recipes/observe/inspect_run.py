@@ -59,6 +59,7 @@ def report(run_dir: str | Path) -> str:
         _versions_trained,
         _versions_loaded,
         _restarts,
+        _kept_rows,
         _rings,
         _gpu_handovers,
         _staleness,
@@ -121,6 +122,24 @@ def _restarts(run: RunRecords) -> list[str]:
                 + ", ".join(f"{n} x {signal}" for signal, n in signals.most_common())
                 + f"), {sum(r['released'] for r in restarts)} leased rows given back to the pool"
             )
+    return out
+
+
+def _kept_rows(run: RunRecords) -> list[str]:
+    """Each resume's rows read back from the data plane's logs: kept, waiting for generation, dropped (why),
+    with their response lengths, so a bias towards long or short rollouts shows."""
+    out = []
+    for kept in run.of_kind(RecordKind.KEPT_ROWS):
+        out.append(f"resumed at v{kept['version']} with rows kept on disk:")
+        shares = [("kept, generated", kept["kept"]), ("kept, waiting for generation", kept["waiting"])]
+        shares += [(f"dropped: {reason}", f) for reason, f in kept["dropped"].items()]
+        for what, f in shares:
+            out.append(
+                f"  {f['rows']} rows, {f['tokens']} tokens (length p50 {f['length_p50']}, p90 {f['length_p90']}, "
+                f"max {f['length_max']}): {what}"
+            )
+        if kept.get("torn_bytes"):
+            out.append(f"  a torn record of {kept['torn_bytes']} bytes was cut from the logs")
     return out
 
 

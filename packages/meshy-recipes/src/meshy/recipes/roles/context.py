@@ -32,6 +32,7 @@ class RecordKind(StrEnum):
 
     START = "start"  # every process, as it starts (launch.rank; a restartable role's child: launch.restarts)
     RESTART = "restart"  # a restartable role's process, killed, started again (launch.restarts)
+    KEPT_ROWS = "kept_rows"  # a resumed run's rows read back from disk: kept and dropped (launch.kept_rows)
     ENGINE = "engine"  # the engine a process built (roles.engines)
     GRANT = "grant"  # a colocated process took its ring's token (roles.colocation)
     DEVICE_TURN = "device_turn"  # a colocated process's turn on its ring's devices, once over

@@ -161,6 +161,13 @@ class RolloutRole:
                 prompts.append(prompt)
                 truths.append(problem.answer)
         prompt_column = cols.PROBLEM if multi_turn else cols.PROMPT_IDS
+        kept = set(self.ctx.client.existing(self.ctx.table, rows))  # a resumed run's rows, kept on disk
+        if kept:
+            new = [i for i, r in enumerate(rows) if r not in kept]
+            if not new:
+                return
+            rows, groups = [rows[i] for i in new], [groups[i] for i in new]
+            prompts, truths = [prompts[i] for i in new], [truths[i] for i in new]
         self.ctx.client.put(self.ctx.table, rows, {prompt_column: prompts, cols.GROUND_TRUTH: truths}, group_ids=groups)
         self.rows_written += len(rows)
 
