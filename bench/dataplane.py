@@ -4,7 +4,9 @@
 
 Throughput: put + get of 1024 RL-shaped rows (int64[4096] tokens, float32[4096] logprobs, 3 scalars),
 through meshy (put, lease, ack) and through TransferQueue's client (put, get_meta, get_data, clear).
-Latency: the same with one row. Both use one storage unit on loopback; meshy also authenticates.
+Latency: the same with one row. Both use one storage unit on loopback; meshy also authenticates. Meshy runs
+again with its rows logged to disk too (`durable`: batched at three fsync intervals, and sync), each beside the
+in-memory run.
 """
 
 import argparse
@@ -12,8 +14,10 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from tensordict import TensorDict
@@ -40,10 +44,13 @@ def nbytes(rows: dict[str, torch.Tensor]) -> int:
 
 class Meshy:
     name = "meshy.dataplane"
+    durable: ClassVar[dict] = {}  # DataPlaneConfig's durable fields; none: rows in memory only
 
     def __init__(self) -> None:
         secret = new_secret()
-        self.server = DataPlaneServer.start(secret, DataPlaneConfig(num_storage_units=1))
+        self.logs = tempfile.TemporaryDirectory() if self.durable else None
+        where = {"durable_dir": self.logs.name} if self.logs else {}
+        self.server = DataPlaneServer.start(secret, DataPlaneConfig(num_storage_units=1, **self.durable, **where))
         self.client = DataPlaneClient(self.server.endpoints, secret)
         columns = (Column("tokens", "int64", (SEQ,)), Column("logprobs", "float32", (SEQ,)))
         columns += tuple(Column(s, "float32") for s in SCALARS)
@@ -62,6 +69,15 @@ class Meshy:
     def close(self) -> None:
         self.client.close()
         self.server.shutdown()
+        if self.logs is not None:
+            self.logs.cleanup()
+
+
+def durable_meshy(mode: str, sync_s: float = 0.1) -> type[Meshy]:
+    """Meshy with its rows logged to disk too (DataPlaneConfig.durable)."""
+    label = f"{mode}, fsync every {sync_s:g} s" if mode == "batched" else mode
+    fields = {"durable": mode, "durable_sync_s": sync_s}
+    return type(f"Durable{mode}{sync_s}", (Meshy,), {"name": f"meshy, rows on disk ({label})", "durable": fields})
 
 
 class RawTransferQueue:
@@ -108,7 +124,14 @@ def measure(system, rows: dict[str, torch.Tensor], reps: int) -> list[float]:
     return times
 
 
-SYSTEMS = {"tq": RawTransferQueue, "meshy": Meshy}
+SYSTEMS = {
+    "tq": RawTransferQueue,
+    "meshy": Meshy,
+    "meshy-batched-0.01": durable_meshy("batched", 0.01),
+    "meshy-batched-0.1": durable_meshy("batched", 0.1),
+    "meshy-batched-1": durable_meshy("batched", 1.0),
+    "meshy-sync": durable_meshy("sync"),
+}
 
 
 def run_one(name: str, reps: int, latency_reps: int) -> None:
@@ -156,6 +179,9 @@ def main() -> None:
         f"\nmeshy / raw TransferQueue: throughput {raw_big / meshy_big:.2f}x, 1-row latency {raw_one / meshy_one:.2f}x"
     )
     print("targets: throughput >= 0.90x, 1-row round trip < 3 ms")
+    for name, (big, one) in medians.items():
+        if name.startswith("meshy, rows on disk"):
+            print(f"{name} / in memory: throughput {meshy_big / big:.2f}x, 1-row latency {meshy_one / one:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """What a killed process costs a run: wall-clock lost, versions redone, trained tokens thrown away.
 
-    uv run python bench/resume_loss.py [--steps 60] [--checkpoint-every 10] [--seed 0]
+    uv run python bench/resume_loss.py [--steps 60] [--checkpoint-every 10] [--seed 0] [--durable off batched]
+                                       [--pacing 1] [--recipe default]
 
-Each row is a real `meshy run` of the embedded default recipe (tiny Qwen3, arithmetic, GRPO, W=1) in which
+Each row is a real `meshy run` of the embedded default recipe (tiny Qwen3, arithmetic, GRPO, W=1; or --recipe) in which
 one process is SIGKILLed at a version drawn at random from the middle third of the run (--seed), then
 resumed with `meshy run --resume` if it stopped; the first row is the same run left alone. The kills: the
 data-plane host's controller (a), the inference process, stopping the run or restarted in place
@@ -10,7 +11,10 @@ data-plane host's controller (a), the inference process, stopping the run or res
 last run, lost is its excess over the undisturbed run. Versions redone are those the killed run had
 trained past the checkpoint it resumed from; their trained tokens were thrown away and generated again.
 What an engine restarted in place had generated and not yet written (its rows in flight) is generated
-again too, and not counted here.
+again too, and not counted here. Each set of kills runs once per `--durable` mode ([dataplane] durable): with
+rows on disk, a resumed run keeps the generated rows it can still use (counted from its kept-rows record)
+and drops the rest (generated again); with rows in memory only, every row generated and not yet trained at
+the kill is lost (as many as a run with rows on disk keeps and drops).
 """
 
 import argparse
@@ -64,21 +68,30 @@ def wait_for_version(run: subprocess.Popen, root: Path, version: int) -> Path:
     sys.exit(f"the run ended before version {version}")
 
 
-def measure(name: str, kill_at: int, args: argparse.Namespace) -> dict:
+def kept_rows(run_dir: Path) -> dict | None:
+    """The resumed run's record of the rows it kept from disk (rank 0's), if any."""
+    found = [r for path in (run_dir / "records").glob("*.jsonl") for r in records(run_dir, path.stem)]
+    kept = [r for r in found if r["kind"] == "kept_rows"]
+    return kept[-1] if kept else None
+
+
+def measure(name: str, kill_at: int, durable: str, args: argparse.Namespace) -> dict:
     kill = KILLS[name]
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"steps={args.steps}", f'run_dir="{tmp}"', f"checkpoint_every={args.checkpoint_every}"]
+        sets += [f'dataplane.durable="{durable}"', f"algorithm.pacing={args.pacing}"]
         if kill is not None and kill[1]:
             sets.append(f"roles.inference.max_restarts={kill[1]}")
         started = time.monotonic()
         run = subprocess.Popen(
-            COMMAND + [a for s in sets for a in ("--set", s)],
+            COMMAND + ([args.recipe] if args.recipe else []) + [a for s in sets for a in ("--set", s)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
         redone = thrown = 0
+        kept = None
         if kill is not None:
             run_dir = wait_for_version(run, Path(tmp), kill_at)
             if kill[1]:  # restarting in place: the child running the engine, once it has started
@@ -96,13 +109,18 @@ def measure(name: str, kill_at: int, args: argparse.Namespace) -> dict:
             if resumed.returncode != 0:
                 sys.exit(f"{name}: the resume failed\n{resumed.stderr[-3000:]}")
             redone, thrown = len(lost), sum(m["tokens"] for m in lost)
+            kept = kept_rows(run_dir)
         wall = time.monotonic() - started
         final = metrics(run_dir)
         assert [m["version"] for m in final] == list(range(1, args.steps + 1)), f"{name}: versions 1..N"
         rows = [r for m in final for r in m["row_ids"]] + [d["row"] for m in final for d in m["dropped"]]
         assert len(rows) == len(set(rows)), f"{name}: a row trained twice"
+        dropped = sum(d["tokens"] for d in kept["dropped"].values()) if kept else 0
         return {
             "name": name,
+            "durable": durable,
+            "kept": f"{kept['kept']['tokens']} ({kept['kept']['rows']} rows)" if kept else "",
+            "dropped": f"{dropped} ({sum(d['rows'] for d in kept['dropped'].values())} rows)" if kept else "",
             "kill_at": kill_at if kill else None,
             "wall": wall,
             "redone": redone,
@@ -117,17 +135,30 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="draws the version each kill comes after")
     parser.add_argument("--kills", nargs="+", default=list(KILLS), choices=list(KILLS))
+    parser.add_argument("--durable", nargs="+", default=["off", "batched"], choices=["off", "batched", "sync"])
+    parser.add_argument("--pacing", default="1", help="algorithm.pacing: 1, 2, ... or '\"none\"'")
+    parser.add_argument("--recipe", default=None, help="a shipped recipe's name or a path (default: the embedded one)")
     args = parser.parse_args()
     draw = random.Random(args.seed)
-    rows = [measure(name, draw.randint(args.steps // 3, 2 * args.steps // 3), args) for name in args.kills]
-    base = next((r["wall"] for r in rows if r["name"] == "none"), None)
-    print(f"\ndefault recipe, {args.steps} versions, checkpoint every {args.checkpoint_every}, seed {args.seed}\n")
-    print("| kill | after version | wall s | lost s | versions redone | trained tokens thrown away |")
-    print("|---|---|---|---|---|---|")
+    draws = [draw.randint(args.steps // 3, 2 * args.steps // 3) for _ in args.kills]
+    kills = list(zip(args.kills, draws, strict=True))
+    rows = [measure(name, at, durable, args) for durable in args.durable for name, at in kills]
+    recipe = args.recipe or "default recipe"
+    print(f"\n{recipe}, {args.steps} versions, pacing {args.pacing}, checkpoint every {args.checkpoint_every}")
+    print(f"seed {args.seed}\n")
+    print(
+        "| kill | rows on disk | after version | wall s | lost s | versions redone | trained tokens thrown away "
+        "| generated tokens kept at resume | generated tokens dropped at resume |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        base = next((b["wall"] for b in rows if b["name"] == "none" and b["durable"] == r["durable"]), None)
         lost = f"{r['wall'] - base:+.1f}" if base is not None and r["name"] != "none" else ""
         share = f"{r['thrown']} ({100 * r['thrown'] / r['tokens']:.1f}% of the run's)" if r["redone"] else "0"
-        print(f"| {r['name']} | {r['kill_at'] or ''} | {r['wall']:.1f} | {lost} | {r['redone']} | {share} |")
+        print(
+            f"| {r['name']} | {r['durable']} | {r['kill_at'] or ''} | {r['wall']:.1f} | {lost} | {r['redone']} "
+            f"| {share} | {r['kept']} | {r['dropped']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ once, no row trained twice and every row of every batch trained or counted as dr
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -20,9 +21,11 @@ import pytest
 from tests.infer.test_sglang_engine import use_stub_kernels
 from tests.recipes.test_agent_run import agent_recipe
 from tests.recipes.test_pipeline import (
+    FREE_BATCHES,
     REPO,
     check_run,
     checkpointed,
+    kept_rows,
     kill_tree,
     records,
     repo_env,
@@ -122,6 +125,30 @@ def test_killing_a_process_of_a_multi_turn_run_mid_trajectory_loses_no_trajector
     assert [a for a in audits if a["problems"]] == []
     played = [r for i in range(2) for r in records(run_dir, f"environment-{i}") if r["kind"] == "trajectory"]
     assert {t["row"] for t in played} >= set(range(restored * 16, STEPS * 16)), "every resumed row was played"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["training-0", "dataplane"])
+def test_a_resumed_run_trains_the_generated_rows_its_stopped_run_kept_on_disk(tmp_path, target):
+    """Fully asynchronous pacing keeps batches generated ahead of training; killed after a checkpoint, the run
+    keeps on disk those generated under the restored version or before and trains them after the resume,
+    drops those generated later (saying why, in meshy inspect too), and removes its logs once finished."""
+    recipe = small_recipe(tmp_path, '"none"', steps=STEPS)
+    recipe.write_text(re.sub(r"^checkpoint_every = .*$", "checkpoint_every = 1", recipe.read_text(), flags=re.M))
+    run_dir, restored = kill_and_resume(tmp_path, recipe, target, torn_in="weights", max_staleness=FREE_BATCHES + 2)
+    kept = kept_rows(run_dir)
+    assert kept is not None and kept["version"] == restored, kept
+    assert kept["kept"]["rows"] > 0 and kept["kept"]["tokens"] > 0, kept
+    later = f"generated under a version after v{restored}, which the resumed run discards"
+    assert set(kept["dropped"]) <= {later}, kept["dropped"]
+    first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][restored]
+    assert first["version"] == restored + 1 and first["rows_trained"] > 0
+    audit = subprocess.run(
+        [*COMMAND[:-1], "inspect", str(run_dir)], env=repo_env(), capture_output=True, text=True, timeout=120
+    )
+    assert f"resumed at v{restored} with rows kept on disk:" in audit.stdout, audit.stdout
+    assert f"{kept['kept']['rows']} rows, {kept['kept']['tokens']} tokens" in audit.stdout
+    assert not (run_dir / "dataplane").exists(), "a finished run's logs are removed"
 
 
 def kill_and_resume(

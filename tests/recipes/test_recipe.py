@@ -444,7 +444,12 @@ def test_a_teacher_given_as_a_peft_adapter_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("top", "role", "value", "needle"),
     [
-        ("", "rollout", "1", "roles.rollout.max_restarts: only ['inference'] restart in place so far"),
+        (
+            "",
+            "rollout",
+            "1",
+            "roles.rollout.max_restarts: only ['inference', 'teacher', 'reference'] restart in place",
+        ),
         ('colocate = [["training", "inference"]]\n', "inference", "1", "a member of a colocate ring cannot restart"),
         ('publish = "collective"\n', "inference", "2", 'with publish = "collective" every engine is a member'),
         ("", "inference", "-1", "max_restarts: expected 0 to 1000 per process, got -1"),

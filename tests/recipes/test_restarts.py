@@ -14,20 +14,29 @@ import pytest
 
 from meshy.recipes.observe.inspect_run import report
 from tests.recipes.test_faults import COMMAND, STOP_WITHIN_S, wait_for_version
-from tests.recipes.test_pipeline import check_run, kill_tree, records, repo_env, small_recipe
+from tests.recipes.test_pipeline import (
+    GROUP,
+    GROUPS,
+    check_run,
+    kill_tree,
+    records,
+    repo_env,
+    sharp_teacher,
+    small_recipe,
+)
 
 STEPS = 10
 
 
-def engine_process(run_dir, attempt: int) -> int:
-    """The pid of inference-0's child process of `attempt` (0: the first), once it has started."""
+def engine_process(run_dir, attempt: int, process: str = "inference-0") -> int:
+    """The pid of `process`'s child process of `attempt` (0: the first), once it has started."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        started = [r for r in records(run_dir, "inference-0") if r["kind"] == "start" and r.get("attempt") == attempt]
+        started = [r for r in records(run_dir, process) if r["kind"] == "start" and r.get("attempt") == attempt]
         if started:
             return int(started[-1]["pid"])
         time.sleep(0.1)
-    raise AssertionError(f"inference-0's child of attempt {attempt} did not start")
+    raise AssertionError(f"{process}'s child of attempt {attempt} did not start")
 
 
 def metrics_lines(run_dir) -> int:
@@ -73,3 +82,50 @@ def test_a_killed_engine_restarts_in_place_and_the_run_loses_nothing_then_a_kill
     check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
     given_back = restart["released"]
     assert f"inference-0: restarted 1 of 1 times in place (1 x SIGKILL), {given_back} leased rows" in report(run_dir)
+
+
+def scoring_recipe(tmp_path, role: str):
+    """The default recipe scored by a reference policy (KL) or distilled from a teacher, that role in a process
+    of its own that restarts in place once."""
+    section = f"\n[roles.{role}]\nprocesses = 1\nmax_restarts = 1\n"
+    recipe = small_recipe(tmp_path, "1", tail=section, steps=STEPS)
+    text = recipe.read_text()
+    if role == "reference":
+        text = text.replace("[algorithm.loss]\n", "[algorithm.loss]\nkl_coef = 0.1\n")
+    else:
+        text = text.replace('kind = "grpo"', 'kind = "distill"').replace(
+            'tis = "none"', 'tis = "none"\npg_coef = 0.0\ndistill_coef = 1.0'
+        )
+        text = text.replace("[model]\n", f'[model]\nteacher = "{sharp_teacher(tmp_path / "teacher")}"\n')
+    recipe.write_text(text)
+    return recipe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["reference", "teacher"])
+def test_a_killed_reference_or_teacher_restarts_in_place_and_the_run_finishes_by_itself(tmp_path, role):
+    """The scoring roles hold nothing of the run's progress: killed mid-run, started again in place, they
+    score the rows their predecessor held, and the run ends on its own with every row scored once."""
+    process = f"{role}-0"
+    run = subprocess.Popen(
+        [*COMMAND, str(scoring_recipe(tmp_path, role))],
+        env=repo_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        run_dir = wait_for_version(run, tmp_path, 3)
+        first = engine_process(run_dir, 0, process)
+        os.kill(first, signal.SIGKILL)
+        engine_process(run_dir, 1, process)
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        kill_tree(run)
+        run.wait()
+    assert run.returncode == 0, stderr.decode()[-5000:]
+    assert f"{role} process 0 (pid {first}) was killed by SIGKILL; starting it again" in stderr.decode()
+    metrics = check_run(run_dir, 0)
+    assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), "every row was scored"
+    (restart,) = [r for r in records(run_dir, process) if r["kind"] == "restart"]
+    assert restart["pid"] == first and f"{process}: restarted 1 of 1 times in place" in report(run_dir)

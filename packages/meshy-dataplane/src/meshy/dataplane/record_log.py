@@ -118,10 +118,16 @@ class RecordLog:
             self.sync()
 
     def sync(self) -> None:
+        """fsync what was written so far, on a duplicate descriptor, so that appends go on meanwhile."""
         with self._lock:
-            if self._unsynced and not self._closed.is_set():
-                os.fsync(self._fd)
-                self._unsynced = False
+            if not self._unsynced or self._closed.is_set():
+                return
+            fd = os.dup(self._fd)
+            self._unsynced = False
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         self.sync()

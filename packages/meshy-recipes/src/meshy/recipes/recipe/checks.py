@@ -150,7 +150,7 @@ def _check_restarts(recipe: Recipe, roles: dict) -> None:
                 f"roles.{role}.max_restarts: a member of a colocate ring cannot restart in place (the ring's "
                 "token may die with it); set 0, or share the devices with share_devices instead"
             )
-        if recipe.publish is Transport.COLLECTIVE:
+        if role == "inference" and recipe.publish is Transport.COLLECTIVE:
             raise SchemaError(
                 f'roles.{role}.max_restarts: with publish = "collective" every engine is a member of a fixed '
                 'process group, which a restarted one cannot rejoin; use publish = "disk" or "shared-memory", '
