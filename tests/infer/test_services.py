@@ -456,6 +456,73 @@ def test_in_waves_the_same_rows_generate_the_same_tokens_and_logprobs_bit_for_bi
     assert len({len(ids) for ids, _ in first.values()}) > 1, "requests of several lengths finish at several steps"
 
 
+def partial_tables(client, unique) -> tuple[str, str]:
+    rollout = table(client, unique)
+    return rollout, client.create_table(cols.partials_table(unique("partials"))).name
+
+
+def test_a_response_in_progress_is_written_in_chunks_as_it_goes_and_dropped_once_the_response_is(client, unique):
+    rollout, partials = partial_tables(client, unique)
+    prompts = [torch.tensor([5, 6, 7 + r]) for r in range(6)]
+    client.put(rollout, list(range(6)), {cols.PROMPT_IDS: prompts})
+    config = InferenceServiceConfig(
+        table=rollout,
+        sampling=SamplingParams(9, temperature=1.0, seed=3),
+        context_length=128,
+        weights_stream=unique("weights"),
+        partials_table=partials,
+        partial_every=2,
+    )
+    stats = asyncio.run(serve(client, config, 6))
+    batch = client.lease(rollout, "check", CHECK, count=6, timeout=5)
+    lengths = [len(r) for r in batch.columns[cols.RESPONSE_IDS]]
+    assert max(lengths) > 2, lengths
+    assert stats.partial_chunks == sum(-(-n // 2) - 1 for n in lengths), "a chunk at every 2 tokens before the end"
+    assert all(len(v) == n for v, n in zip(batch.columns[cols.TOKEN_VERSIONS], lengths, strict=True))
+    assert client.table_stats(partials)["rows"] == 0 and client.table_stats(partials)["retired"] == stats.partial_chunks
+
+
+def test_a_new_service_continues_a_response_in_progress_from_its_chunks(client, unique):
+    """What a stopped run left in the partials table (two chunks of row 1, generated under version 0) is the
+    start of row 1's response, with its logprobs and versions; the rest is generated under version 1."""
+    rollout, partials = partial_tables(client, unique)
+    client.put(rollout, [0, 1], {cols.PROMPT_IDS: [torch.tensor([5, 6, 7]), torch.tensor([5, 6, 8])]})
+    chunks = [([11, 12], [-0.5, -0.25], [0, 0]), ([13], [-1.0], [0])]
+    for k, (ids, logprobs, versions) in enumerate(chunks):
+        client.put(
+            partials,
+            [cols.partial_row_id(1, k)],
+            {
+                cols.PARTIAL_OF: torch.tensor([1]),
+                cols.RESPONSE_IDS: [torch.tensor(ids)],
+                cols.ROLLOUT_LOGPROBS: [torch.tensor(logprobs)],
+                cols.TOKEN_VERSIONS: [torch.tensor(versions)],
+            },
+        )
+    config = InferenceServiceConfig(
+        table=rollout,
+        sampling=SamplingParams(6, temperature=1.0, seed=3),
+        context_length=128,
+        weights_stream=unique("weights"),
+        partials_table=partials,
+        partial_every=4,
+    )
+    stats = asyncio.run(serve(client, config, 2))
+    assert (stats.resumed_rows, stats.resumed_tokens) == (1, 3)
+    batch = client.lease(rollout, "check", CHECK, count=2, timeout=5)
+    i = batch.row_ids.index(1)
+    response = batch.columns[cols.RESPONSE_IDS][i].tolist()
+    assert response[:3] == [11, 12, 13] and len(response) >= 4
+    assert batch.columns[cols.ROLLOUT_LOGPROBS][i][:3].tolist() == [-0.5, -0.25, -1.0]
+    assert batch.columns[cols.TOKEN_VERSIONS][i].tolist() == [0, 0, 0] + [1] * (len(response) - 3)
+    assert client.table_stats(partials)["rows"] == 0, "the chunks go once the response is written"
+
+
+def test_partial_every_without_a_partials_table_is_refused_naming_the_field():
+    with pytest.raises(SchemaError, match="InferenceServiceConfig.partial_every: expected 0, or tokens >= 1"):
+        InferenceServiceConfig(partial_every=8)
+
+
 def test_teacher_writes_top_k_at_every_response_position(client, unique):
     name = table(client, unique)
     client.put(name, [0, 1], {cols.PROMPT_IDS: [torch.tensor([5, 6, 7]), torch.tensor([9])]})

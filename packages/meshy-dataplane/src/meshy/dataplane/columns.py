@@ -72,6 +72,9 @@ MAX_NEW_TOKENS = "max_new_tokens"
 TRAJECTORY = "trajectory"
 HISTORY_LOGPROBS = "history_logprobs"
 HISTORY_VERSIONS = "history_versions"
+PARTIAL_OF = "partial_of"
+# A generation in progress is kept in chunks, each a row of the partials table with id partial_row_id(row, chunk).
+MAX_PARTIAL_CHUNKS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,32 @@ def rollout_table(
     return TableSpec(
         name, tuple(columns), group_size=group_size, max_row_bytes=max_row_bytes, retire_after=retire_after
     )
+
+
+def partials_table(
+    name: str = "partials", routed_experts: tuple[int, int] | None = None, max_row_bytes: int = 64 << 20
+) -> TableSpec:
+    """Generations in progress, kept as they are produced: one row per chunk of a rollout row's response
+    (`partial_of`: that row's id), with the chunk's tokens, logprobs and versions (and routing). The inference
+    service writes a chunk every so many tokens and drops a row's chunks once its response is written; a
+    resumed run continues each row from the chunks it finds. No task consumes them."""
+    ragged_int = (None,)
+    columns = (
+        Column(PARTIAL_OF, "int64"),
+        Column(RESPONSE_IDS, "int64", ragged_int),
+        Column(ROLLOUT_LOGPROBS, "float32", ragged_int),
+        Column(TOKEN_VERSIONS, "int64", ragged_int),
+    )
+    if routed_experts is not None:
+        columns += (Column(ROUTED_EXPERTS, "int16", (None, *routed_experts)),)
+    return TableSpec(name, columns, max_row_bytes=max_row_bytes)
+
+
+def partial_row_id(row: int, chunk: int) -> int:
+    """The partials table's row id of chunk `chunk` (0, 1, ...) of rollout row `row`'s response."""
+    if not 0 <= chunk < MAX_PARTIAL_CHUNKS:
+        raise ValueError(f"chunk {chunk} of row {row}: expected 0 to {MAX_PARTIAL_CHUNKS - 1}")
+    return row * MAX_PARTIAL_CHUNKS + chunk
 
 
 def turns_table(name: str = "turns", max_row_bytes: int = 64 << 20) -> TableSpec:

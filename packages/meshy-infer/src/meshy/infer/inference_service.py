@@ -22,6 +22,12 @@ at its own value too: the token budget its trajectory has left.
 
 A row that cannot be generated (empty prompt, prompt longer than the context, token id outside the
 vocabulary) gets its reason in the `error` column and an empty response, and the service keeps going.
+
+With `partial_every`, a generation in progress is kept in the data plane as it goes: every so many tokens
+its new tokens, logprobs and versions are written as a chunk to the partials table (each chunk is a request
+of its own, continued from the prefix), and dropped once the row's response is written. A service that
+starts over a partials table holding chunks (a resumed run's) continues each of those rows from them
+instead of generating it again.
 """
 
 import asyncio
@@ -57,7 +63,8 @@ class InferenceServiceConfig:
     an engine that updates between decode steps allows). "abort": they are aborted and continue from
     their prefix, recomputed under the new weights (an exact version boundary; what engines without
     in-place updates need). waves: start requests in waves (see the module's doc), for replayable
-    lock-step runs."""
+    lock-step runs. partial_every: write a row's new tokens to `partials_table` every this many tokens (0:
+    never; see the module's doc)."""
 
     table: str = "rollout"
     task: str = cols.GENERATE_TASK.name
@@ -69,11 +76,18 @@ class InferenceServiceConfig:
     lease_s: float = 600.0
     poll_s: float = 0.2
     weights_stream: str = WEIGHTS_STREAM
+    partials_table: str | None = None
+    partial_every: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.max_in_flight < 1 or self.context_length < 2:
             raise SchemaError(f"InferenceServiceConfig: max_in_flight >= 1, context_length >= 2: {self}")
+        if self.partial_every < 0 or (self.partial_every and self.partials_table is None):
+            raise SchemaError(
+                f"InferenceServiceConfig.partial_every: expected 0, or tokens >= 1 with a partials_table; got "
+                f"{self.partial_every} with partials_table {self.partials_table!r}"
+            )
 
     def row_sampling(self, row_id: int, max_new_tokens: int) -> SamplingParams:
         """`sampling` for one row: its budget, and its own seed."""
@@ -93,6 +107,20 @@ class InferenceStats:
     busy_s: float = 0.0  # wall time with at least one request in flight
     failed_loads: int = 0  # announced versions that could not be loaded (corrupt, or already pruned)
     versions: list[int] = field(default_factory=list)
+    partial_chunks: int = 0  # chunks of generations in progress written to the partials table
+    resumed_rows: int = 0  # rows continued from the chunks found at start
+    resumed_tokens: int = 0  # their tokens, not generated again
+
+
+@dataclass
+class Partial:
+    """A row's response so far, from its chunks in the partials table, and those chunks' row ids."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routing: list[torch.Tensor] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
 
 
 class InferenceService:
@@ -127,11 +155,14 @@ class InferenceService:
         self._busy_since = 0.0
         self._routing_shape: tuple[int, ...] | None = None  # (layers, top_k) when rows carry routed_experts
         self._reads = list(cols.GENERATE_TASK.reads)  # + max_new_tokens when the table has a per-row budget
+        self._partials: dict[int, Partial] = {}  # row id -> its chunks (found at start, or written since)
 
     async def run(self, stop: asyncio.Event | None = None, max_rows: int | None = None) -> InferenceStats:
         """Serve until `stop` is set (or `max_rows` rows are written); then finish what is in flight."""
         stop = stop or asyncio.Event()
         await self._check_table()
+        if self.config.partial_every:
+            self._partials = await asyncio.to_thread(self._found_partials)
         watcher = asyncio.create_task(self._watch_weights(stop))
         writer = asyncio.create_task(self._write_finished())
         renewer = asyncio.create_task(self._renew_leases())
@@ -193,6 +224,37 @@ class InferenceService:
                 f"{type(self.engine).__name__} does not record routing for this model"
             )
         self._routing_shape = tuple(column.shape[1:])
+
+    def _found_partials(self) -> dict[int, Partial]:
+        """The rows whose chunks the partials table holds (a resumed run's generations in progress)."""
+        names = [cols.PARTIAL_OF, cols.RESPONSE_IDS, cols.ROLLOUT_LOGPROBS, cols.TOKEN_VERSIONS]
+        names += [cols.ROUTED_EXPERTS] if self._routing_shape is not None else []
+        found = self.client.peek(self.config.partials_table, names)
+        partials: dict[int, Partial] = {}
+        for i in sorted(range(len(found)), key=lambda i: found.row_ids[i]):  # chunks in order
+            c = {name: found.columns[name][i] for name in names}
+            partial = partials.setdefault(int(c[cols.PARTIAL_OF]), Partial())
+            partial.ids += c[cols.RESPONSE_IDS].tolist()
+            partial.logprobs += c[cols.ROLLOUT_LOGPROBS].tolist()
+            partial.versions += c[cols.TOKEN_VERSIONS].tolist()
+            partial.routing += [c[cols.ROUTED_EXPERTS]] if self._routing_shape is not None else []
+            partial.chunks.append(found.row_ids[i])
+        return partials
+
+    async def _keep_chunk(self, row_id: int, partial: Partial, routing: list[torch.Tensor], since: int) -> None:
+        """Write the tokens a row generated since `since` as its next chunk."""
+        chunk = cols.partial_row_id(row_id, len(partial.chunks))
+        columns = {
+            cols.PARTIAL_OF: torch.tensor([row_id], dtype=torch.int64, device=HOST),
+            cols.RESPONSE_IDS: [torch.tensor(partial.ids[since:], dtype=torch.int64, device=HOST)],
+            cols.ROLLOUT_LOGPROBS: [torch.tensor(partial.logprobs[since:], dtype=torch.float32, device=HOST)],
+            cols.TOKEN_VERSIONS: [torch.tensor(partial.versions[since:], dtype=torch.int64, device=HOST)],
+        }
+        if self._routing_shape is not None:
+            columns[cols.ROUTED_EXPERTS] = [torch.cat(routing)]
+        await asyncio.to_thread(self.client.put, self.config.partials_table, [chunk], columns)
+        partial.chunks.append(chunk)
+        self.stats.partial_chunks += 1
 
     async def _renew_leases(self) -> None:
         """Extends the leases of rows not yet written every lease_s / 3: however long a generation takes, a
@@ -258,6 +320,9 @@ class InferenceService:
             columns[cols.TRUNCATED] = torch.tensor(columns[cols.TRUNCATED], device=HOST)
             await asyncio.to_thread(self.client.add_columns, self.config.table, rows, columns, ack=batch)
             self.stats.rows += len(rows)
+            kept = [chunk for row in rows for chunk in self._partials.pop(row, Partial()).chunks]
+            if kept:  # the rows are written: their chunks are of no more use
+                await asyncio.to_thread(self.client.drop, self.config.partials_table, kept)
             _, unwritten = self._leases.pop(batch.lease_id)
             if unwritten > len(rows):
                 self._leases[batch.lease_id] = (batch, unwritten - len(rows))
@@ -278,12 +343,23 @@ class InferenceService:
         if max_new_tokens < 1:
             raise SchemaError(f"max_new_tokens of the row: expected >= 1, got {max_new_tokens}")
         budget = min(cfg.sampling.max_new_tokens, max_new_tokens, cfg.context_length - len(prompt))
-        output, logprobs, versions, routing, attempt = [], [], [], [], 0
+        partial = self._partials.get(row_id)
+        if partial is not None and partial.chunks:  # continued from its chunks: a generation in progress
+            self.stats.resumed_rows += 1
+            self.stats.resumed_tokens += len(partial.ids)
+        elif cfg.partial_every:
+            partial = self._partials[row_id] = Partial()
+        output = list(partial.ids) if partial else []
+        logprobs = list(partial.logprobs) if partial else []
+        versions = list(partial.versions) if partial else []
+        routing = list(partial.routing) if partial else []
+        attempt, kept, kept_routing = len(partial.chunks) if partial else 0, len(output), len(routing)
         try:
             while True:
                 await self._updating.wait()
                 request_id = self._requests[row_id] = f"{cfg.table}/{row_id}/{attempt}"
-                params = cfg.row_sampling(row_id, budget - len(output))
+                step = budget - len(output)
+                params = cfg.row_sampling(row_id, min(step, cfg.partial_every) if cfg.partial_every else step)
                 if attempt and params.seed is not None:
                     params = replace(params, seed=params.seed + attempt)
                 result = await self.engine.generate(request_id, prompt + output, params)
@@ -296,6 +372,11 @@ class InferenceService:
                 self._aborted_for_update.discard(request_id)
                 if not aborted_for_update:
                     finish = result.finish_reason
+                    if cfg.partial_every and finish == FINISH_LENGTH and len(output) < budget:  # a chunk's end
+                        partial.ids, partial.logprobs, partial.versions = output, logprobs, versions
+                        await self._keep_chunk(row_id, partial, routing[kept_routing:], kept)
+                        kept, kept_routing, attempt = len(output), len(routing), attempt + 1
+                        continue
                 elif len(output) < budget:  # continue from the prefix, under the new weights
                     attempt += 1
                     self.stats.continued += 1

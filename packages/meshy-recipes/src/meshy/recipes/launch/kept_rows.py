@@ -10,10 +10,13 @@ group's), before any role starts:
   trained again, from new generations;
 - a group with a token generated under a version after v came from a policy the resumed run discards;
 - in a multi-turn run, every row of the turns table (the trajectories in progress: their environments'
-  state died with the run; their rollout rows are played again).
+  state died with the run; their rollout rows are played again);
+- of a response in progress (sampling.keep_partial_every), the chunks from the first one with a token
+  generated under a version after v, and every chunk of a row no longer waiting for its response.
 
-The rest is kept: prompts still waiting for generation, and responses generated under v or before (the
-trainer masks tokens older than max_staleness as it always does). Counts and length figures by reason go
+The rest is kept: prompts still waiting for generation, responses generated under v or before (the
+trainer masks tokens older than max_staleness as it always does), and the chunks of responses in progress
+before any such token (the inference role continues each row from them). Counts and length figures by reason go
 to the records, for `meshy inspect`.
 """
 
@@ -23,7 +26,7 @@ from pathlib import Path
 from meshy.dataplane import DataPlaneClient
 from meshy.dataplane import columns as cols
 from meshy.recipes.recipe import Recipe
-from meshy.recipes.recipe.dataflow import TURNS, rollout_table
+from meshy.recipes.recipe.dataflow import PARTIALS, TURNS, rollout_table
 from meshy.train import checkpoint
 
 
@@ -36,9 +39,11 @@ def restored_version(run_dir: Path) -> int:
 def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, tables: list[str]) -> dict:
     """Drop what the resumed run cannot use from the restored `tables`; what was kept and dropped, and why."""
     version = restored_version(run_dir)
-    kept: dict[str, list[int]] = {"kept": [], "waiting": []}  # response lengths of rows kept, and prompts kept
+    # response lengths of rows kept, of prompts kept, and of the responses in progress kept (their chunks so far)
+    kept: dict[str, list[int]] = {"kept": [], "waiting": [], "partial": []}
     lengths: dict[str, list[int]] = defaultdict(list)  # why dropped -> response lengths
     table = rollout_table(recipe).name
+    waiting: set[int] = set()  # rows kept with no response yet
     if table in tables:
         rows = client.peek(table, [cols.RESPONSE_IDS, cols.TOKEN_VERSIONS])
         reasons = _group_reasons(rows, version, recipe.algorithm.prompts_per_step)
@@ -51,6 +56,8 @@ def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, t
                 lengths[reason].append(_length(response))
             else:
                 kept["kept" if response is not None else "waiting"].append(_length(response))
+                if response is None:
+                    waiting.add(row)
         if dropped:
             client.drop(table, dropped)
     if TURNS in tables:
@@ -60,6 +67,8 @@ def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, t
             lengths["a turn of a trajectory in progress (its environment's state died with the run)"] += [0] * len(
                 turns
             )
+    if PARTIALS in tables:
+        _keep_partials(client, version, waiting, kept["partial"], lengths)
     return {
         "version": version,
         **{what: _figures(n) for what, n in kept.items()},
@@ -85,6 +94,33 @@ def _group_reasons(rows, version: int, prompts_per_step: int) -> dict[int, str]:
     return reasons
 
 
+def _keep_partials(
+    client: DataPlaneClient, version: int, waiting: set[int], kept: list[int], dropped: dict[str, list[int]]
+) -> None:
+    """Keep each waiting row's chunks up to the first with a token from after `version`; drop the rest."""
+    chunks = client.peek(PARTIALS, [cols.PARTIAL_OF, cols.TOKEN_VERSIONS])
+    by_row: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)
+    for i in sorted(range(len(chunks)), key=lambda i: chunks.row_ids[i]):
+        versions = chunks.columns[cols.TOKEN_VERSIONS][i].tolist()
+        by_row[int(chunks.columns[cols.PARTIAL_OF][i])].append((chunks.row_ids[i], versions))
+    gone, later = [], f"a response in progress: tokens generated under a version after v{version}"
+    for row, row_chunks in by_row.items():
+        usable = row in waiting
+        prefix = 0
+        for chunk, versions in row_chunks:
+            usable = usable and max(versions, default=0) <= version
+            if usable:
+                prefix += len(versions)
+                continue
+            gone.append(chunk)
+            reason = later if row in waiting else "a response in progress of a row no longer waiting for one"
+            dropped[reason].append(len(versions))
+        if prefix:
+            kept.append(prefix)
+    if gone:
+        client.drop(PARTIALS, gone)
+
+
 def _length(response) -> int:
     return 0 if response is None else len(response)
 
@@ -104,7 +140,8 @@ def kept_rows_line(kept: dict) -> str:
     """What a resumed run kept, in one line for its output."""
     line = (
         f"data plane: kept {kept['kept']['rows']} generated rows ({kept['kept']['tokens']} tokens) and "
-        f"{kept['waiting']['rows']} prompts waiting for generation from the stopped run, resuming at v{kept['version']}"
+        f"{kept['waiting']['rows']} prompts waiting for generation ({kept['partial']['rows']} of them with "
+        f"{kept['partial']['tokens']} tokens of their responses) from the stopped run, resuming at v{kept['version']}"
     )
     for reason, figures in kept["dropped"].items():
         line += f"; dropped {figures['rows']} rows ({figures['tokens']} tokens): {reason}"

@@ -132,6 +132,7 @@ def _kept_rows(run: RunRecords) -> list[str]:
     for kept in run.of_kind(RecordKind.KEPT_ROWS):
         out.append(f"resumed at v{kept['version']} with rows kept on disk:")
         shares = [("kept, generated", kept["kept"]), ("kept, waiting for generation", kept["waiting"])]
+        shares += [("kept, responses in progress to continue", kept["partial"])] if kept["partial"]["rows"] else []
         shares += [(f"dropped: {reason}", f) for reason, f in kept["dropped"].items()]
         for what, f in shares:
             out.append(

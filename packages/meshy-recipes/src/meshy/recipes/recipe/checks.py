@@ -248,6 +248,11 @@ def _check_multi_turn(recipe: Recipe, roles: dict) -> None:
                 f"{name}: multi-turn runs (task.environment) train on whole trajectories with GRPO or PPO; "
                 'expected algorithm.kind = "grpo" or "ppo", no routing_replay and overlong_buffer = 0'
             )
+    if recipe.sampling.keep_partial_every:
+        raise SchemaError(
+            "sampling.keep_partial_every: a multi-turn run's turn in progress is played again after a resume (its "
+            "environment's state is not kept); expected 0"
+        )
 
 
 def _check_context_length(recipe: Recipe) -> None:

@@ -7,6 +7,7 @@ from meshy.dataplane import columns as cols
 from meshy.recipes.recipe.spec import Recipe
 
 TURNS = cols.turns_table().name  # a multi-turn run's second table: one row per policy turn
+PARTIALS = cols.partials_table().name  # responses in progress, with sampling.keep_partial_every
 
 
 def recipe_tasks(recipe: Recipe) -> tuple[cols.Task, ...]:
@@ -81,5 +82,11 @@ def rollout_table(recipe: Recipe) -> TableSpec:
 
 
 def tables(recipe: Recipe) -> list[TableSpec]:
-    """Every table of the run: the rollout table, and the turns table of a multi-turn run."""
-    return [rollout_table(recipe)] + [cols.turns_table()] * recipe.multi_turn
+    """Every table of the run: the rollout table, the turns table of a multi-turn run, and the partials table
+    of a run that keeps responses in progress."""
+    partials = []
+    if recipe.sampling.keep_partial_every:
+        arch = recipe.model.arch()
+        routed = (arch.num_hidden_layers, arch.num_experts_per_tok) if recipe.algorithm.routing_replay else None
+        partials.append(cols.partials_table(routed_experts=routed))
+    return [rollout_table(recipe)] + [cols.turns_table()] * recipe.multi_turn + partials

@@ -422,11 +422,18 @@ class SamplingSpec:
     (SGLang, imported only when named)."""
     compile: bool = False
     """The torch engine's decode and sampler through torch.compile (SGLang compiles its own)."""
+    keep_partial_every: int = 0
+    """Write a response in progress to the data plane every this many tokens (0: never), so that a resumed run
+    continues it from there instead of generating it again (with [dataplane] durable). Each chunk is a request of
+    its own, prefilled again from its prefix, and a lock-step run on the torch engine then no longer starts its
+    requests in waves (it does not replay token for token). Not in multi-turn runs."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.max_new_tokens < 1 or self.max_in_flight < 1 or self.context_length <= self.max_new_tokens:
             raise SchemaError(f"max_new_tokens, max_in_flight >= 1 and context_length > max_new_tokens: {self}")
+        if self.keep_partial_every < 0:
+            raise SchemaError(f"sampling.keep_partial_every: expected tokens >= 0, got {self.keep_partial_every}")
         if self.compile and self.engine != "torch":
             raise SchemaError(f'sampling.compile: applies to the torch engine, and sampling.engine is "{self.engine}"')
         self.params()  # the engines' own checks

@@ -13,7 +13,7 @@ from meshy.infer.engine import Engine
 from meshy.infer.inference_service import InferenceService, InferenceServiceConfig, InferenceStats
 from meshy.recipes.launch.restarts import RESTARTABLE_LEASE_S
 from meshy.recipes.launch.startup import phase_done
-from meshy.recipes.recipe.dataflow import TURNS
+from meshy.recipes.recipe.dataflow import PARTIALS, TURNS
 from meshy.recipes.roles.colocation import POLL_S, build_holding_token, join_ring, record_released
 from meshy.recipes.roles.context import RecordKind, RoleContext
 from meshy.recipes.roles.engines import build_engine
@@ -134,9 +134,15 @@ class InferenceRole:
             context_length=sampling.context_length,
             # Lock-step with the pure-torch engine replays token for token when batches do not hang on timing.
             # (Turns of multi-turn trajectories arrive as tools answer: waves would make each wait for the others.)
-            waves=ctx.recipe.algorithm.window == 1 and sampling.engine == "torch" and not multi_turn,
+            # (Chunks of responses kept as they go are requests of their own, posted as each chunk is written.)
+            waves=ctx.recipe.algorithm.window == 1
+            and sampling.engine == "torch"
+            and not multi_turn
+            and not sampling.keep_partial_every,
             # restarting in place, a process's rows come back soon after it dies (renewed while it lives)
             lease_s=RESTARTABLE_LEASE_S if ctx.recipe.roles.inference.max_restarts else InferenceServiceConfig.lease_s,
+            partials_table=PARTIALS if sampling.keep_partial_every else None,
+            partial_every=sampling.keep_partial_every,
         )
         service = InferenceService(ctx.client, engine, config, weight_sync=ctx.weight_sync)
 
