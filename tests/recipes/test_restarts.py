@@ -125,7 +125,7 @@ def test_a_killed_reference_or_teacher_restarts_in_place_and_the_run_finishes_by
         run.wait()
     assert run.returncode == 0, stderr.decode()[-5000:]
     assert f"{role} process 0 (pid {first}) was killed by SIGKILL; starting it again" in stderr.decode()
-    metrics = check_run(run_dir, 0)
+    metrics = check_run(run_dir, 0, steps=STEPS)
     assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), "every row was scored"
     (restart,) = [r for r in records(run_dir, process) if r["kind"] == "restart"]
     assert restart["pid"] == first and f"{process}: restarted 1 of 1 times in place" in report(run_dir)

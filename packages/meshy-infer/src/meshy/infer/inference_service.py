@@ -192,6 +192,8 @@ class InferenceService:
                     await asyncio.sleep(0)
                     continue
                 await self._load_newest(await asyncio.to_thread(announced.read, 64, 0.0))
+                if self.config.partial_every:
+                    await self._adopt_partials(batch.row_ids)
                 if not self._in_flight:
                     self._busy_since = time.monotonic()
                 if self.config.waves:
@@ -240,6 +242,15 @@ class InferenceService:
             partial.routing += [c[cols.ROUTED_EXPERTS]] if self._routing_shape is not None else []
             partial.chunks.append(found.row_ids[i])
         return partials
+
+    async def _adopt_partials(self, row_ids: list[int]) -> None:
+        """Rows another engine left chunks of (it died holding them) are continued from those chunks too."""
+        unknown = [r for r in row_ids if r not in self._partials]
+        if unknown:
+            first_chunks = [cols.partial_row_id(r, 0) for r in unknown]
+            if await asyncio.to_thread(self.client.existing, self.config.partials_table, first_chunks):
+                found = await asyncio.to_thread(self._found_partials)
+                self._partials.update({r: found[r] for r in unknown if r in found})
 
     async def _keep_chunk(self, row_id: int, partial: Partial, routing: list[torch.Tensor], since: int) -> None:
         """Write the tokens a row generated since `since` as its next chunk."""

@@ -6,11 +6,14 @@ skipping the rows that are still there). Rows are kept or dropped by whole group
 group's), before any role starts:
 
 - a group of a batch before v was trained into the restored version already;
+- a group of a batch the rollout role could not have written yet at v (its pacing: v + W batches, or
+  FREE_BATCHES ahead when fully asynchronous) is written again when due, so pacing holds;
 - a group the trainer acked was trained after the checkpoint, by versions the resumed run discards: it is
   trained again, from new generations;
 - a group with a token generated under a version after v came from a policy the resumed run discards;
 - in a multi-turn run, every row of the turns table (the trajectories in progress: their environments'
-  state died with the run; their rollout rows are played again);
+  state died with the run), and the groups of their rollout rows (taken by the environment role, with no
+  response yet), written and played again;
 - of a response in progress (sampling.keep_partial_every), the chunks from the first one with a token
   generated under a version after v, and every chunk of a row no longer waiting for its response.
 
@@ -27,6 +30,7 @@ from meshy.dataplane import DataPlaneClient
 from meshy.dataplane import columns as cols
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.recipe.dataflow import PARTIALS, TURNS, rollout_table
+from meshy.recipes.roles.rollout import FREE_BATCHES
 from meshy.train import checkpoint
 
 
@@ -46,7 +50,9 @@ def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, t
     waiting: set[int] = set()  # rows kept with no response yet
     if table in tables:
         rows = client.peek(table, [cols.RESPONSE_IDS, cols.TOKEN_VERSIONS])
-        reasons = _group_reasons(rows, version, recipe.algorithm.prompts_per_step)
+        algo = recipe.algorithm
+        ahead = algo.window if algo.window is not None else FREE_BATCHES
+        reasons = _group_reasons(rows, version, algo.prompts_per_step, ahead)
         dropped = []
         for i, row in enumerate(rows.row_ids):
             response = rows.columns[cols.RESPONSE_IDS][i]
@@ -76,14 +82,20 @@ def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, t
     }
 
 
-def _group_reasons(rows, version: int, prompts_per_step: int) -> dict[int, str]:
-    """Why each dropped group goes (groups kept have no entry)."""
+def _group_reasons(rows, version: int, prompts_per_step: int, ahead: int) -> dict[int, str]:
+    """Why each dropped group goes (groups kept have no entry). ahead: how many batches past the version the
+    rollout role writes (the window W, or FREE_BATCHES)."""
     reasons: dict[int, str] = {}
     train = cols.TRAIN_TASK.name
     for i, group in enumerate(rows.group_ids):
         versions = rows.columns[cols.TOKEN_VERSIONS][i]
-        if group // prompts_per_step < version:
+        batch = group // prompts_per_step
+        if batch < version:
             reason = f"its batch was trained into v{version}, the version resumed from"
+        elif batch >= version + ahead:
+            reason = f"written ahead of what pacing allows at v{version}: written again when due"
+        elif versions is None and rows.done[i]:
+            reason = "a trajectory in progress (its environment's state died with the run): played again"
         elif train in rows.done[i]:
             reason = f"trained after the checkpoint of v{version}: trained again, from new generations"
         elif versions is not None and len(versions) and int(versions.max()) > version:
