@@ -1,20 +1,21 @@
 """What a killed process costs a run: wall-clock lost, versions redone, trained tokens thrown away.
 
     uv run python bench/resume_loss.py [--steps 60] [--checkpoint-every 10] [--seed 0] [--durable off batched]
-                                       [--pacing 1] [--recipe default]
+                                       [--pacing 1] [--recipe NAME] [--set FIELD=VALUE ...]
 
-Each row is a real `meshy run` of the embedded default recipe (tiny Qwen3, arithmetic, GRPO, W=1; or --recipe) in which
-one process is SIGKILLed at a version drawn at random from the middle third of the run (--seed), then
-resumed with `meshy run --resume` if it stopped; the first row is the same run left alone. The kills: the
-data-plane host's controller (a), the inference process, stopping the run or restarted in place
-(`[roles.inference] max_restarts = 1`) (b), and training rank 0 (c). Wall is from launch to the end of the
-last run, lost is its excess over the undisturbed run. Versions redone are those the killed run had
-trained past the checkpoint it resumed from; their trained tokens were thrown away and generated again.
-What an engine restarted in place had generated and not yet written (its rows in flight) is generated
-again too, and not counted here. Each set of kills runs once per `--durable` mode ([dataplane] durable): with
-rows on disk, a resumed run keeps the generated rows it can still use (counted from its kept-rows record)
-and drops the rest (generated again); with rows in memory only, every row generated and not yet trained at
-the kill is lost (as many as a run with rows on disk keeps and drops).
+Each row is a real `meshy run` of the embedded default recipe (tiny Qwen3, arithmetic, GRPO, W=1; or
+--recipe, changed by --pacing and --set) in which one process is SIGKILLed at a version drawn at random
+from the middle third of the run (--seed), then resumed with `meshy run --resume` if it stopped; the first
+row is the same run left alone. The kills: the data-plane host's controller (a), the inference process,
+stopping the run or restarted in place (`[roles.inference] max_restarts = 1`) (b), and training rank 0
+(c). Wall is from launch to the end of the last run, lost is its excess over the undisturbed run.
+Versions redone are those the killed run had trained past the checkpoint it resumed from; their trained
+tokens were thrown away and generated again. What an engine restarted in place had generated and not yet
+written (its rows in flight) is generated again too (unless `sampling.keep_partial_every` kept it in
+chunks), and not counted here. Each set of kills runs once per `--durable` mode ([dataplane] durable):
+with rows on disk, a resumed run keeps the generated rows it can still use (counted from its kept-rows
+record) and drops the rest (generated again); with rows in memory only, every row generated and not yet
+trained at the kill is lost (as many as a run with rows on disk keeps and drops).
 """
 
 import argparse
@@ -75,11 +76,20 @@ def kept_rows(run_dir: Path) -> dict | None:
     return kept[-1] if kept else None
 
 
+def _kept(kept: dict | None) -> str:
+    """Generated tokens a resume kept: of whole responses, and of responses in progress (keep_partial_every)."""
+    if kept is None:
+        return ""
+    text = f"{kept['kept']['tokens']} ({kept['kept']['rows']} rows)"
+    partial = kept["partial"]
+    return text + (f" + {partial['tokens']} of {partial['rows']} in progress" if partial["rows"] else "")
+
+
 def measure(name: str, kill_at: int, durable: str, args: argparse.Namespace) -> dict:
     kill = KILLS[name]
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"steps={args.steps}", f'run_dir="{tmp}"', f"checkpoint_every={args.checkpoint_every}"]
-        sets += [f'dataplane.durable="{durable}"', f"algorithm.pacing={args.pacing}"]
+        sets += [f'dataplane.durable="{durable}"', f"algorithm.pacing={args.pacing}", *args.set]
         if kill is not None and kill[1]:
             sets.append(f"roles.inference.max_restarts={kill[1]}")
         started = time.monotonic()
@@ -119,7 +129,7 @@ def measure(name: str, kill_at: int, durable: str, args: argparse.Namespace) -> 
         return {
             "name": name,
             "durable": durable,
-            "kept": f"{kept['kept']['tokens']} ({kept['kept']['rows']} rows)" if kept else "",
+            "kept": _kept(kept),
             "dropped": f"{dropped} ({sum(d['rows'] for d in kept['dropped'].values())} rows)" if kept else "",
             "kill_at": kill_at if kill else None,
             "wall": wall,
@@ -138,6 +148,7 @@ def main() -> None:
     parser.add_argument("--durable", nargs="+", default=["off", "batched"], choices=["off", "batched", "sync"])
     parser.add_argument("--pacing", default="1", help="algorithm.pacing: 1, 2, ... or '\"none\"'")
     parser.add_argument("--recipe", default=None, help="a shipped recipe's name or a path (default: the embedded one)")
+    parser.add_argument("--set", action="append", default=[], help="a recipe field, FIELD=VALUE (as meshy run --set)")
     args = parser.parse_args()
     draw = random.Random(args.seed)
     draws = [draw.randint(args.steps // 3, 2 * args.steps // 3) for _ in args.kills]
@@ -145,7 +156,7 @@ def main() -> None:
     rows = [measure(name, at, durable, args) for durable in args.durable for name, at in kills]
     recipe = args.recipe or "default recipe"
     print(f"\n{recipe}, {args.steps} versions, pacing {args.pacing}, checkpoint every {args.checkpoint_every}")
-    print(f"seed {args.seed}\n")
+    print(f"seed {args.seed}" + "".join(f", {s}" for s in args.set) + "\n")
     print(
         "| kill | rows on disk | after version | wall s | lost s | versions redone | trained tokens thrown away "
         "| generated tokens kept at resume | generated tokens dropped at resume |"

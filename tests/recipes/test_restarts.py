@@ -6,13 +6,18 @@ A kill past max_restarts stops the run as any death does, and it resumes.
 """
 
 import os
+import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
+from meshy.dataplane.journal import JOURNAL_FILE
+from meshy.dataplane.record_log import read
 from meshy.recipes.observe.inspect_run import report
+from meshy.recipes.recipe.dataflow import PARTIALS
 from tests.recipes.test_faults import COMMAND, STOP_WITHIN_S, wait_for_version
 from tests.recipes.test_pipeline import (
     GROUP,
@@ -129,3 +134,41 @@ def test_a_killed_reference_or_teacher_restarts_in_place_and_the_run_finishes_by
     assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), "every row was scored"
     (restart,) = [r for r in records(run_dir, process) if r["kind"] == "restart"]
     assert restart["pid"] == first and f"{process}: restarted 1 of 1 times in place" in report(run_dir)
+
+
+def first_chunk_after(journal: Path, seen: int, within_s: float = 120) -> None:
+    """Returns once the data plane's journal records a chunk of a response in progress after its first `seen`
+    records: the engine is in the middle of a response."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if any(r[0] == "commit" and r[1] == PARTIALS for r in read(journal).records[seen:]):
+            return
+        time.sleep(0.005)
+    raise AssertionError("no chunk of a response in progress was written")
+
+
+@pytest.mark.slow
+def test_a_restarted_engine_continues_the_responses_its_predecessor_kept_in_chunks(tmp_path):
+    """sampling.keep_partial_every: the engine killed in the middle of responses (right after one of them
+    wrote a chunk), the engine started again in place continues them from their chunks."""
+    recipe = small_recipe(tmp_path, "1", steps=STEPS)
+    text = recipe.read_text().replace("[roles.inference]\n", "[roles.inference]\nmax_restarts = 1\n")
+    recipe.write_text(re.sub(r"^max_new_tokens = .*$", "max_new_tokens = 64\nkeep_partial_every = 4", text, flags=re.M))
+    run = subprocess.Popen(
+        [*COMMAND, str(recipe)], env=repo_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        run_dir = wait_for_version(run, tmp_path, 3)
+        first = engine_process(run_dir, 0)
+        journal = run_dir / "dataplane" / "node0" / JOURNAL_FILE
+        first_chunk_after(journal, len(read(journal).records))
+        os.kill(first, signal.SIGKILL)
+        engine_process(run_dir, 1)
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        kill_tree(run)
+        run.wait()
+    assert run.returncode == 0, stderr.decode()[-5000:]
+    check_run(run_dir, 0, steps=STEPS)
+    final = [r for r in records(run_dir, "inference-0") if r["kind"] == "inference"][-1]
+    assert final["resumed_rows"] > 0 and final["resumed_tokens"] >= 4, final

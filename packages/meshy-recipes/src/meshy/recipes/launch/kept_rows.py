@@ -30,6 +30,7 @@ from meshy.dataplane import DataPlaneClient
 from meshy.dataplane import columns as cols
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.recipe.dataflow import PARTIALS, TURNS, rollout_table
+from meshy.recipes.roles.context import KEPT_ROWS_STREAM
 from meshy.recipes.roles.rollout import FREE_BATCHES
 from meshy.train import checkpoint
 
@@ -41,7 +42,9 @@ def restored_version(run_dir: Path) -> int:
 
 
 def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, tables: list[str]) -> dict:
-    """Drop what the resumed run cannot use from the restored `tables`; what was kept and dropped, and why."""
+    """Drop what the resumed run cannot use from the restored `tables`; what was kept and dropped, and why. The
+    rollout rows kept are announced on KEPT_ROWS_STREAM: the rollout role skips them when it writes their
+    batches (whether or not they were trained by then)."""
     version = restored_version(run_dir)
     # response lengths of rows kept, of prompts kept, and of the responses in progress kept (their chunks so far)
     kept: dict[str, list[int]] = {"kept": [], "waiting": [], "partial": []}
@@ -66,6 +69,8 @@ def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, t
                     waiting.add(row)
         if dropped:
             client.drop(table, dropped)
+        gone = set(dropped)
+        client.append(KEPT_ROWS_STREAM, {"rows": [r for r in rows.row_ids if r not in gone]})
     if TURNS in tables:
         turns = client.peek(TURNS, [])
         if turns.row_ids:

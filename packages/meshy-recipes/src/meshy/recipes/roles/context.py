@@ -23,6 +23,9 @@ from meshy.recipes.recipe import Recipe
 from meshy.recipes.recipe.topology import Slot
 
 RUN_STREAM = "run"
+# A resumed run's rows kept from the stopped run (meshy.recipes.launch.kept_rows): one message, {"rows": [ids]},
+# appended before any role starts; the rollout role does not write those rows again.
+KEPT_ROWS_STREAM = "kept_rows"
 TRAFFIC_DIR = "dataplane"  # under records/: each process's bytes to and from each storage unit
 T = TypeVar("T")
 

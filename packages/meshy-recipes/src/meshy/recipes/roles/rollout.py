@@ -28,7 +28,7 @@ import torch
 from meshy.dataplane import HOST
 from meshy.dataplane import columns as cols
 from meshy.dataplane.weights import WEIGHTS_STREAM
-from meshy.recipes.roles.context import RecordKind, RoleContext
+from meshy.recipes.roles.context import KEPT_ROWS_STREAM, RecordKind, RoleContext
 from meshy.recipes.usercode.held_out import WithoutHeldOut, held_out_problems, response_text
 from meshy.recipes.usercode.imports import import_object
 from meshy.recipes.usercode.task_errors import TaskError, call_task, checked_reward, engine_error
@@ -68,6 +68,7 @@ class RolloutRole:
         if ctx.recipe.eval is not None:  # never trained on
             self.problems = WithoutHeldOut(self.problems, held_out_problems(ctx.recipe))
         self.drop = ctx.recipe.on_task_error == "drop"
+        self.kept = self._kept_rows()
         self.rows_written = self.problems_drawn = 0
         self.failure: BaseException | None = None
 
@@ -115,6 +116,15 @@ class RolloutRole:
             ctx.record(RecordKind.BATCH, batch=batch, latest_version=latest, rows=self.rows_written, **held_out)
             batch += 1
 
+    def _kept_rows(self) -> set[int]:
+        """The rows a resumed run kept from its stopped run (none for a fresh run): their prompts are written."""
+        reader = self.ctx.client.reader(KEPT_ROWS_STREAM, f"rollout-{self.ctx.slot.index}-kept", start=1)
+        try:
+            messages = reader.read(max_n=1)  # appended before any role started, if at all
+        finally:
+            reader.close()
+        return set(messages[0].payload["rows"]) if messages else set()
+
     def _skip_to(self, version: int) -> int:
         """Continue the prompt sequence at the batch a run restored at `version` trains next."""
         for _ in range(version * (self.ctx.recipe.algorithm.prompts_per_step // self.ctx.slot.count)):
@@ -161,9 +171,8 @@ class RolloutRole:
                 prompts.append(prompt)
                 truths.append(problem.answer)
         prompt_column = cols.PROBLEM if multi_turn else cols.PROMPT_IDS
-        kept = set(self.ctx.client.existing(self.ctx.table, rows))  # a resumed run's rows, kept on disk
-        if kept:
-            new = [i for i, r in enumerate(rows) if r not in kept]
+        if self.kept:  # a resumed run's rows kept on disk: written already (and maybe trained since)
+            new = [i for i, r in enumerate(rows) if r not in self.kept]
             if not new:
                 return
             rows, groups = [rows[i] for i in new], [groups[i] for i in new]
