@@ -167,13 +167,14 @@ def main() -> None:
     mib = nbytes(make_rows(ROWS)) / 2**20
     reps = f"medians over {args.reps} / {args.latency_reps} reps"
     print(f"\nput + get of {ROWS} rows ({mib:.0f} MiB) and of 1 row; {reps}\n")
-    print(f"| {'path':<22} | {'rows/s':>8} | {'MiB/s':>7} | {'1-row round trip':>16} |")
-    print(f"|{'-' * 24}|{'-' * 10}|{'-' * 9}|{'-' * 18}|")
+    width = max(len(name) for name in results)
+    print(f"| {'path':<{width}} | {'rows/s':>8} | {'MiB/s':>7} | {'1-row round trip':>16} |")
+    print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 9}|{'-' * 18}|")
     medians = {}
     for name, timings in results.items():
         m_big, m_one = statistics.median(timings["big"]), statistics.median(timings["one"])
         medians[name] = (m_big, m_one)
-        print(f"| {name:<22} | {ROWS / m_big:>8.0f} | {mib / m_big:>7.0f} | {m_one * 1e3:>13.2f} ms |")
+        print(f"| {name:<{width}} | {ROWS / m_big:>8.0f} | {mib / m_big:>7.0f} | {m_one * 1e3:>13.2f} ms |")
     (raw_big, raw_one), (meshy_big, meshy_one) = medians[RawTransferQueue.name], medians[Meshy.name]
     print(
         f"\nmeshy / raw TransferQueue: throughput {raw_big / meshy_big:.2f}x, 1-row latency {raw_one / meshy_one:.2f}x"

@@ -89,7 +89,8 @@ def measure(name: str, kill_at: int, durable: str, args: argparse.Namespace) -> 
     kill = KILLS[name]
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"steps={args.steps}", f'run_dir="{tmp}"', f"checkpoint_every={args.checkpoint_every}"]
-        sets += [f'dataplane.durable="{durable}"', f"algorithm.pacing={args.pacing}", *args.set]
+        sets += [f'dataplane.durable="{durable}"', *args.set]
+        sets += [f"algorithm.pacing={args.pacing}"] if args.pacing else []
         if kill is not None and kill[1]:
             sets.append(f"roles.inference.max_restarts={kill[1]}")
         started = time.monotonic()
@@ -126,10 +127,15 @@ def measure(name: str, kill_at: int, durable: str, args: argparse.Namespace) -> 
         rows = [r for m in final for r in m["row_ids"]] + [d["row"] for m in final for d in m["dropped"]]
         assert len(rows) == len(set(rows)), f"{name}: a row trained twice"
         dropped = sum(d["tokens"] for d in kept["dropped"].values()) if kept else 0
+        continued = ""
+        if kill is not None and kill[1]:  # restarted in place: what its new engine continued from chunks
+            engine = [r for r in records(run_dir, kill[0]) if r["kind"] == "inference"][-1]
+            if engine["resumed_rows"]:
+                continued = f"{engine['resumed_tokens']} of {engine['resumed_rows']} in progress, continued"
         return {
             "name": name,
             "durable": durable,
-            "kept": _kept(kept),
+            "kept": _kept(kept) or continued,
             "dropped": f"{dropped} ({sum(d['rows'] for d in kept['dropped'].values())} rows)" if kept else "",
             "kill_at": kill_at if kill else None,
             "wall": wall,
@@ -146,7 +152,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="draws the version each kill comes after")
     parser.add_argument("--kills", nargs="+", default=list(KILLS), choices=list(KILLS))
     parser.add_argument("--durable", nargs="+", default=["off", "batched"], choices=["off", "batched", "sync"])
-    parser.add_argument("--pacing", default="1", help="algorithm.pacing: 1, 2, ... or '\"none\"'")
+    parser.add_argument("--pacing", help="algorithm.pacing: 1, 2, ... or '\"none\"' (default: the recipe's)")
     parser.add_argument("--recipe", default=None, help="a shipped recipe's name or a path (default: the embedded one)")
     parser.add_argument("--set", action="append", default=[], help="a recipe field, FIELD=VALUE (as meshy run --set)")
     args = parser.parse_args()
@@ -155,7 +161,8 @@ def main() -> None:
     kills = list(zip(args.kills, draws, strict=True))
     rows = [measure(name, at, durable, args) for durable in args.durable for name, at in kills]
     recipe = args.recipe or "default recipe"
-    print(f"\n{recipe}, {args.steps} versions, pacing {args.pacing}, checkpoint every {args.checkpoint_every}")
+    pacing = f"pacing {args.pacing}" if args.pacing else "its own pacing"
+    print(f"\n{recipe}, {args.steps} versions, {pacing}, checkpoint every {args.checkpoint_every}")
     print(f"seed {args.seed}" + "".join(f", {s}" for s in args.set) + "\n")
     print(
         "| kill | rows on disk | after version | wall s | lost s | versions redone | trained tokens thrown away "

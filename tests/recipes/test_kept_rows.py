@@ -1,11 +1,13 @@
 """What a resumed run keeps of the rows read back from disk: by whole groups, each drop with its reason, the
 chunks of responses in progress up to the first from a discarded version, the kept rows announced."""
 
+import json
+
 import torch
 
 from meshy.dataplane import DataPlaneClient, DataPlaneServer
 from meshy.dataplane import columns as cols
-from meshy.recipes.launch.kept_rows import keep_restored_rows
+from meshy.recipes.launch.servers import resume_rows
 from meshy.recipes.recipe import load_recipe
 from meshy.recipes.recipe.dataflow import PARTIALS, rollout_table, tables
 from meshy.recipes.roles.context import KEPT_ROWS_STREAM
@@ -32,6 +34,11 @@ def put_group(client: DataPlaneClient, group: int, versions: list[list[int]] | N
     return rows
 
 
+def generated_ids() -> list[int]:
+    """Rows a line after the restored version trained: the resume discards that line."""
+    return list(range(10_000, 10_000 + GROUP))
+
+
 def put_chunk(client: DataPlaneClient, row: int, chunk: int, versions: list[int]) -> None:
     client.put(
         PARTIALS,
@@ -56,6 +63,11 @@ def test_a_resume_keeps_the_groups_the_restored_version_may_use_and_drops_the_re
         for spec in tables(recipe):
             client.create_table(spec)
         before = put_group(client, 4 * per_batch - 1, [[3, 3]] * GROUP)  # batch 3: trained into v4 already
+        untrained = put_group(client, 4 * per_batch - 2, [[3, 3]] * GROUP)  # batch 3, never trained: kept
+        trained_ahead = list(range(6 * per_batch * GROUP + GROUP, 6 * per_batch * GROUP + 2 * GROUP))  # retired
+        trained = {"row_ids": [*range(GROUP), *before], "dropped": [{"row": r} for r in trained_ahead]}
+        lines = [{"version": 4, **trained}, {"version": 6, "row_ids": generated_ids(), "dropped": []}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
         generated = put_group(client, 5 * per_batch, [[4, 5]] * GROUP)  # batch 5, under v4 and v5: kept
         later = put_group(client, 5 * per_batch + 1, [[5]] * (GROUP - 1) + [[5, 6]])  # one token from v6
         waiting = put_group(client, 5 * per_batch + 2, None)  # prompts only: kept
@@ -65,24 +77,26 @@ def test_a_resume_keeps_the_groups_the_restored_version_may_use_and_drops_the_re
         put_chunk(client, waiting[0], 1, [6, 6])  # from a version the resumed run discards
         put_chunk(client, waiting[1], 0, [4])
         put_chunk(client, later[0], 0, [5])  # of a row dropped since
-        kept = keep_restored_rows(recipe, run_dir, client, [spec.name for spec in tables(recipe)])
+        restored = {"controller": {"rows": {"rollout": 28, PARTIALS: 4}, "torn_bytes": 0}, "storage": [None]}
+        kept = resume_rows(recipe, run_dir, server.endpoints, secret, restored)
 
         assert kept["version"] == VERSION
-        assert kept["kept"] == {"rows": GROUP, "tokens": 2 * GROUP, "length_p50": 2, "length_p90": 2, "length_max": 2}
+        assert kept["kept"]["rows"] == 2 * GROUP and kept["kept"]["tokens"] == 4 * GROUP
         assert kept["waiting"]["rows"] == 2 * GROUP
         assert (kept["partial"]["rows"], kept["partial"]["tokens"]) == (2, 3)
         dropped = {reason: (f["rows"], f["tokens"]) for reason, f in kept["dropped"].items()}
         assert dropped == {
-            "its batch was trained into v5, the version resumed from": (GROUP, 2 * GROUP),
+            "trained into v5 or before, the version resumed from": (GROUP, 2 * GROUP),
             "generated under a version after v5, which the resumed run discards": (GROUP, GROUP + 1),
             "written ahead of what pacing allows at v5: written again when due": (GROUP, 0),
             "a response in progress: tokens generated under a version after v5": (1, 2),
             "a response in progress of a row no longer waiting for one": (1, 1),
         }
         left = client.peek(rollout_table(recipe).name, [])
-        assert sorted(left.row_ids) == sorted(generated + waiting + next_batch)
+        assert sorted(left.row_ids) == sorted(untrained + generated + waiting + next_batch)
         assert not set(left.row_ids) & set(before + later + ahead)
         chunks = client.peek(PARTIALS, [])
         assert sorted(chunks.row_ids) == [cols.partial_row_id(waiting[0], 0), cols.partial_row_id(waiting[1], 0)]
         (announced,) = client.reader(KEPT_ROWS_STREAM, "check", start=1).read(max_n=5)
-        assert sorted(announced.payload["rows"]) == sorted(generated + waiting + next_batch)
+        # the rows the rollout role writes again from batch 5 on, but these: kept, or trained already
+        assert announced.payload["rows"] == sorted(generated + waiting + next_batch + trained_ahead)

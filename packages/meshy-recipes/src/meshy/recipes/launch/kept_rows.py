@@ -5,7 +5,8 @@ The resumed trainer carries on from the newest complete checkpoint's version v a
 skipping the rows that are still there). Rows are kept or dropped by whole groups (advantages are a
 group's), before any role starts:
 
-- a group of a batch before v was trained into the restored version already;
+- a group with a row trained into v or before (metrics.jsonl says which: fully asynchronous pacing trains
+  groups as they are ready, not batch by batch);
 - a group of a batch the rollout role could not have written yet at v (its pacing: v + W batches, or
   FREE_BATCHES ahead when fully asynchronous) is written again when due, so pacing holds;
 - a group the trainer acked was trained after the checkpoint, by versions the resumed run discards: it is
@@ -17,12 +18,13 @@ group's), before any role starts:
 - of a response in progress (sampling.keep_partial_every), the chunks from the first one with a token
   generated under a version after v, and every chunk of a row no longer waiting for its response.
 
-The rest is kept: prompts still waiting for generation, responses generated under v or before (the
+The rest is kept, whatever its batch: prompts still waiting for generation, responses generated under v or before (the
 trainer masks tokens older than max_staleness as it always does), and the chunks of responses in progress
 before any such token (the inference role continues each row from them). Counts and length figures by reason go
 to the records, for `meshy inspect`.
 """
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -41,10 +43,26 @@ def restored_version(run_dir: Path) -> int:
     return checkpoint.step_of(newest) if newest is not None else 0
 
 
-def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, tables: list[str]) -> dict:
-    """Drop what the resumed run cannot use from the restored `tables`; what was kept and dropped, and why. The
-    rollout rows kept are announced on KEPT_ROWS_STREAM: the rollout role skips them when it writes their
-    batches (whether or not they were trained by then)."""
+def trained_rows(run_dir: Path, version: int) -> set[int]:
+    """The rows trained (or dropped by the trainer) into `version` or before, from the run's metrics lines."""
+    path = run_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    kept = [m for m in lines if m["version"] <= version]
+    return {r for m in kept for r in m["row_ids"]} | {d["row"] for m in kept for d in m["dropped"]}
+
+
+def announce_written(recipe: Recipe, client: DataPlaneClient, version: int, rows: set[int]) -> None:
+    """Tell the rollout role which rows of the batches it writes again (the restored version's onward) are
+    not to be written: kept from the stopped run, or trained into the restored version already."""
+    first = version * recipe.algorithm.prompts_per_step * recipe.algorithm.group_size
+    client.append(KEPT_ROWS_STREAM, {"rows": sorted(r for r in rows if r >= first)})
+
+
+def keep_restored_rows(
+    recipe: Recipe, run_dir: Path, client: DataPlaneClient, tables: list[str], trained: set[int]
+) -> dict:
+    """Drop what the resumed run cannot use from the restored `tables` (`trained`: the rows trained into the
+    restored version or before); what was kept and dropped, and why, and the rollout rows kept."""
     version = restored_version(run_dir)
     # response lengths of rows kept, of prompts kept, and of the responses in progress kept (their chunks so far)
     kept: dict[str, list[int]] = {"kept": [], "waiting": [], "partial": []}
@@ -55,7 +73,7 @@ def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, t
         rows = client.peek(table, [cols.RESPONSE_IDS, cols.TOKEN_VERSIONS])
         algo = recipe.algorithm
         ahead = algo.window if algo.window is not None else FREE_BATCHES
-        reasons = _group_reasons(rows, version, algo.prompts_per_step, ahead)
+        reasons = _group_reasons(rows, version, algo.prompts_per_step, ahead, trained)
         dropped = []
         for i, row in enumerate(rows.row_ids):
             response = rows.columns[cols.RESPONSE_IDS][i]
@@ -70,7 +88,9 @@ def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, t
         if dropped:
             client.drop(table, dropped)
         gone = set(dropped)
-        client.append(KEPT_ROWS_STREAM, {"rows": [r for r in rows.row_ids if r not in gone]})
+        kept_ids = [r for r in rows.row_ids if r not in gone]
+    else:
+        kept_ids = []
     if TURNS in tables:
         turns = client.peek(TURNS, [])
         if turns.row_ids:
@@ -84,10 +104,11 @@ def keep_restored_rows(recipe: Recipe, run_dir: Path, client: DataPlaneClient, t
         "version": version,
         **{what: _figures(n) for what, n in kept.items()},
         "dropped": {reason: _figures(n) for reason, n in lengths.items()},
+        "rows_kept": kept_ids,
     }
 
 
-def _group_reasons(rows, version: int, prompts_per_step: int, ahead: int) -> dict[int, str]:
+def _group_reasons(rows, version: int, prompts_per_step: int, ahead: int, trained: set[int]) -> dict[int, str]:
     """Why each dropped group goes (groups kept have no entry). ahead: how many batches past the version the
     rollout role writes (the window W, or FREE_BATCHES)."""
     reasons: dict[int, str] = {}
@@ -95,8 +116,8 @@ def _group_reasons(rows, version: int, prompts_per_step: int, ahead: int) -> dic
     for i, group in enumerate(rows.group_ids):
         versions = rows.columns[cols.TOKEN_VERSIONS][i]
         batch = group // prompts_per_step
-        if batch < version:
-            reason = f"its batch was trained into v{version}, the version resumed from"
+        if rows.row_ids[i] in trained:
+            reason = f"trained into v{version} or before, the version resumed from"
         elif batch >= version + ahead:
             reason = f"written ahead of what pacing allows at v{version}: written again when due"
         elif versions is None and rows.done[i]:

@@ -12,14 +12,32 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshy.dataplane import DataPlaneClient, DataPlaneServer
+from meshy.dataplane import DataPlaneClient, DataPlaneServer, Endpoints
 from meshy.recipes.launch.durable_rows import with_rows_dir
-from meshy.recipes.launch.kept_rows import keep_restored_rows
+from meshy.recipes.launch.kept_rows import announce_written, keep_restored_rows, restored_version, trained_rows
 from meshy.recipes.recipe import Recipe
 from meshy.recipes.recipe.topology import Slot
 
 STORAGE_KEY = "meshy/dataplane/storage/"  # + node: that node's storage units
 START_TIMEOUT_S = 600.0  # as long as the role process groups wait for each other at start
+
+
+def resume_rows(recipe: Recipe, run_dir: Path, endpoints: Endpoints, secret: bytes, restored: dict) -> dict | None:
+    """A resumed run's rows, before any role starts: those its data plane read back from disk that it can use
+    are kept (what was kept and dropped returned; None when nothing was read back), and the rollout role told
+    which rows not to write again (meshy.recipes.launch.kept_rows)."""
+    version = restored_version(run_dir)
+    tables = (restored["controller"] or {}).get("rows", {})
+    if not version and not any(tables.values()):
+        return None  # a fresh run, or one resumed from its start with nothing kept
+    trained = trained_rows(run_dir, version)
+    with DataPlaneClient(endpoints, secret, recipe.dataplane, name="resume") as client:
+        kept = keep_restored_rows(recipe, run_dir, client, list(tables), trained) if any(tables.values()) else None
+        announce_written(recipe, client, version, trained | set(kept.pop("rows_kept") if kept else ()))
+    if kept is not None:
+        units_torn = sum(unit["torn_bytes"] for unit in restored["storage"] if unit)
+        kept["torn_bytes"] = restored["controller"]["torn_bytes"] + units_torn
+    return kept
 
 
 def host_servers(
@@ -55,11 +73,6 @@ def host_servers(
             units += storage
             where += [node] * len(storage)
         endpoints = server.start_controller(units, where)
-        restored = (server.restored["controller"] or {}).get("rows", {})
-        if any(restored.values()):
-            with DataPlaneClient(endpoints, secret, recipe.dataplane, name="resume") as client:
-                kept = keep_restored_rows(recipe, run_dir, client, list(restored))
-            units_torn = sum(unit["torn_bytes"] for unit in server.restored["storage"] if unit)
-            kept["torn_bytes"] = server.restored["controller"]["torn_bytes"] + units_torn
+        kept = resume_rows(recipe, run_dir, endpoints, secret, server.restored)
         server.publish(store)
     return server, kept

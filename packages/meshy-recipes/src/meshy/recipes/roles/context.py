@@ -23,8 +23,8 @@ from meshy.recipes.recipe import Recipe
 from meshy.recipes.recipe.topology import Slot
 
 RUN_STREAM = "run"
-# A resumed run's rows kept from the stopped run (meshy.recipes.launch.kept_rows): one message, {"rows": [ids]},
-# appended before any role starts; the rollout role does not write those rows again.
+# The rows a resumed run's rollout role must not write again, kept from the stopped run or trained before its
+# checkpoint (meshy.recipes.launch.kept_rows): one message, {"rows": [ids]}, appended before any role starts.
 KEPT_ROWS_STREAM = "kept_rows"
 TRAFFIC_DIR = "dataplane"  # under records/: each process's bytes to and from each storage unit
 T = TypeVar("T")

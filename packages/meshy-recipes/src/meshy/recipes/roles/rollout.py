@@ -68,7 +68,7 @@ class RolloutRole:
         if ctx.recipe.eval is not None:  # never trained on
             self.problems = WithoutHeldOut(self.problems, held_out_problems(ctx.recipe))
         self.drop = ctx.recipe.on_task_error == "drop"
-        self.kept = self._kept_rows()
+        self.written_before = self._written_before()
         self.rows_written = self.problems_drawn = 0
         self.failure: BaseException | None = None
 
@@ -116,8 +116,9 @@ class RolloutRole:
             ctx.record(RecordKind.BATCH, batch=batch, latest_version=latest, rows=self.rows_written, **held_out)
             batch += 1
 
-    def _kept_rows(self) -> set[int]:
-        """The rows a resumed run kept from its stopped run (none for a fresh run): their prompts are written."""
+    def _written_before(self) -> set[int]:
+        """The rows a resumed run must not write again (none for a fresh run): kept from its stopped run, or
+        trained into the restored version already (meshy.recipes.launch.kept_rows)."""
         reader = self.ctx.client.reader(KEPT_ROWS_STREAM, f"rollout-{self.ctx.slot.index}-kept", start=1)
         try:
             messages = reader.read(max_n=1)  # appended before any role started, if at all
@@ -171,8 +172,8 @@ class RolloutRole:
                 prompts.append(prompt)
                 truths.append(problem.answer)
         prompt_column = cols.PROBLEM if multi_turn else cols.PROMPT_IDS
-        if self.kept:  # a resumed run's rows kept on disk: written already (and maybe trained since)
-            new = [i for i, r in enumerate(rows) if r not in self.kept]
+        if self.written_before:  # a resumed run's rows kept on disk, or trained before its checkpoint
+            new = [i for i, r in enumerate(rows) if r not in self.written_before]
             if not new:
                 return
             rows, groups = [rows[i] for i in new], [groups[i] for i in new]
