@@ -6,9 +6,10 @@ A real `meshy run` of the embedded default recipe (256 rows per version), two ve
 `--rows`. An outside observer samples every role process and the data-plane servers (their pids come
 from the run's own start records) and reads the kernel's high-water mark (VmHWM) when the trained rows
 first reach 1,000 and when they first reach `--rows`; growth between the two is what a leak would show.
-The run then ends on its own. Its teardown is not measured: at exit each process's CUDA libraries
-(libcublasLt, libcusparseLt, ...; linked into torch even on CPU) touch ~110 MiB of their own clean,
-shared file pages, which the high-water mark counts as RSS.
+The data plane's logs on disk (rows kept for a resume, `durable`) are sampled the same way: their largest
+size so far, which compaction bounds as rows retire. The run then ends on its own. Its teardown is not
+measured: at exit each process's CUDA libraries (libcublasLt, libcusparseLt, ...; linked into torch even
+on CPU) touch ~110 MiB of their own clean, shared file pages, which the high-water mark counts as RSS.
 """
 
 import argparse
@@ -56,8 +57,14 @@ def peak_rss_mib(pid: int) -> float | None:
     return int(found.group(1)) / 1024 if found else None
 
 
-def measure(rows: int, workdir: Path) -> dict[str, tuple[float, float]]:
-    """name -> (peak RSS MiB at EARLY_ROWS trained rows, at `rows`)."""
+def logs_mib(run_dir: Path) -> float:
+    """The data plane's logs on disk now (meshy.recipes.launch.durable_rows), in MiB."""
+    return sum(f.stat().st_size for f in (run_dir / "dataplane").rglob("*.log")) / 2**20
+
+
+def measure(rows: int, workdir: Path) -> tuple[dict[str, tuple[float, float]], tuple[float, float]]:
+    """name -> (peak RSS MiB at EARLY_ROWS trained rows, at `rows`); and the data plane's logs on disk, the
+    most they took until each of the two (MiB)."""
     algo = load_recipe(DEFAULT_RECIPE).algorithm
     steps = -(-rows // (algo.prompts_per_step * algo.group_size)) + MARGIN_VERSIONS
     text = re.sub(r"^steps = .*$", f"steps = {steps}", DEFAULT_RECIPE.read_text(), flags=re.M)
@@ -73,6 +80,7 @@ def measure(rows: int, workdir: Path) -> dict[str, tuple[float, float]]:
     early: dict[str, float] = {}
     late: dict[str, float] = {}
     latest: dict[str, float] = {}
+    disk = early_disk = 0.0
     run_dir = None
     while run.poll() is None:
         time.sleep(0.2)
@@ -84,14 +92,15 @@ def measure(rows: int, workdir: Path) -> dict[str, tuple[float, float]]:
             peak = peak_rss_mib(pid)
             if peak is not None:
                 latest[name] = peak
+        disk = max(disk, logs_mib(run_dir))
         if not early and trained >= EARLY_ROWS:
-            early = dict(latest)
+            early, early_disk = dict(latest), disk
         if trained >= rows:
             late = dict(latest)
     stderr = run.stderr.read()
     if run.returncode != 0 or not late:
         raise RuntimeError(f"the run failed (exit {run.returncode}): {stderr[-3000:]}")
-    return {name: (early[name], late[name]) for name in sorted(early)}
+    return {name: (early[name], late[name]) for name in sorted(early)}, (early_disk, disk)
 
 
 def main() -> None:
@@ -99,12 +108,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshy-memory-") as workdir:
-        peaks = measure(args.rows, Path(workdir))
+        peaks, (early_disk, late_disk) = measure(args.rows, Path(workdir))
     print(f"peak RSS (MiB) per process, default recipe, {EARLY_ROWS:,} vs {args.rows:,} trained rows")
     print(f"| process | at {EARLY_ROWS:,} rows | at {args.rows:,} rows | growth |")
     print("|---|---|---|---|")
     for name, (early, late) in peaks.items():
         print(f"| {name} | {early:.0f} | {late:.0f} | {100 * (late - early) / early:+.1f}% |")
+    print(f"| data-plane logs on disk, the most so far | {early_disk:.1f} | {late_disk:.1f} | |")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,27 @@ def test_rows_held_by_a_killed_consumer_are_processed_exactly_once(
     assert client.table_stats(table)["tasks"]["work"] == {"ready": 0, "leased": 0, "done": 40}
 
 
+def test_a_dead_consumer_released_leases_nothing_later_from_a_request_it_left_waiting(
+    client, unique, dataplane, secret, mp_context, tmp_path
+):
+    """A consumer killed while its lease request waits for rows: once released, the rows that then become ready
+    go to a live consumer, not to the dead one's parked request (where they would wait out a lease)."""
+    table = client.create_table(TableSpec(unique("work"), (Column("x", "int64"),))).name
+    waiting = mp_context.Process(
+        target=workers.wait_to_lease, args=(dataplane.endpoints.to_json(), secret, table, "work", str(tmp_path / "id"))
+    )
+    waiting.start()
+    while not (tmp_path / "id").exists() or not (tmp_path / "id").read_text():
+        time.sleep(0.05)
+    time.sleep(0.5)  # its request is parked
+    os.kill(waiting.pid, signal.SIGKILL)
+    waiting.join()
+    assert client.release_consumer(table, (tmp_path / "id").read_text()) == 0
+    client.put(table, [0], {"x": torch.tensor([7])})
+    batch = client.lease(table, "work", ["x"], timeout=5)
+    assert batch is not None and batch.row_ids == [0]
+
+
 @pytest.mark.parametrize(
     "members",
     [

@@ -189,3 +189,10 @@ def sync_tensors() -> dict:
         "b": torch.randn(300, generator=g, device="cpu"),
         "e": torch.randn(2, 3, 5, generator=g, device="cpu").to(torch.float16),
     }
+
+
+def wait_to_lease(endpoints: str, secret: bytes, table: str, task: str, out: str) -> None:
+    """Say who this consumer is, then wait to lease rows (none are ready) until killed."""
+    client = _client(endpoints, secret, "waiting")
+    Path(out).write_text(client.consumer_id)
+    client.lease(table, task, ["x"], count=1, timeout=600)

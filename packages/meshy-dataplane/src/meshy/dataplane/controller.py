@@ -54,6 +54,7 @@ class _Waiter:
     deadline: float
     attempt: Callable[[], Any]  # returns the reply, or None while the condition does not hold
     on_timeout: Callable[[], Any]
+    consumer: str | None = None  # who waits to lease rows (a lease request), for release_consumer
 
 
 class _StorageClearer:
@@ -275,6 +276,7 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         wait_s: float,
         attempt: Callable[[], Any],
         on_timeout: Callable[[], Any],
+        consumer: str | None = None,
     ) -> Any:
         """Answer now if the condition holds or the caller won't wait; otherwise park the request."""
         result = attempt()
@@ -282,7 +284,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             return result
         if wait_s <= 0:
             return on_timeout()
-        self._waiters.append(_Waiter(identity, request_id, key, time.monotonic() + wait_s, attempt, on_timeout))
+        deadline = time.monotonic() + wait_s
+        self._waiters.append(_Waiter(identity, request_id, key, deadline, attempt, on_timeout, consumer))
         return _DEFERRED
 
     # ---- durable rows -------------------------------------------------------------------------
@@ -461,7 +464,9 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             reply["deadline"] = leased.deadline - now  # relative: clocks differ between hosts
             return reply
 
-        return self._wait(identity, request_id, ("table", name), args["wait_s"], attempt, lambda: {})
+        return self._wait(
+            identity, request_id, ("table", name), args["wait_s"], attempt, lambda: {}, args["consumer"]
+        )
 
     def _op_ack(self, args: dict, identity: Any, request_id: int) -> dict:
         name = args["table"]
@@ -485,7 +490,13 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         return released
 
     def _op_release_consumer(self, args: dict, identity: Any, request_id: int) -> int:
+        """A dead consumer's leases go back to the pool, and a lease request of its still parked here is answered
+        empty now (rows that became ready would otherwise be leased to it, and wait out the lease)."""
         table = self._table(args["table"])
+        parked = [w for w in self._waiters if w.consumer == args["consumer"] and w.key == ("table", table.spec.name)]
+        for w in parked:
+            self._waiters.remove(w)
+            self.request_handle_socket.send_multipart([w.identity, encode_reply(w.request_id, w.on_timeout())])
         released, freed = table.release_consumer(args["consumer"])
         self._free(table.spec.name, freed)
         self._dirty.add(("table", table.spec.name))
