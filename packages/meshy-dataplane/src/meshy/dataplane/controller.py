@@ -464,9 +464,7 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
             reply["deadline"] = leased.deadline - now  # relative: clocks differ between hosts
             return reply
 
-        return self._wait(
-            identity, request_id, ("table", name), args["wait_s"], attempt, lambda: {}, args["consumer"]
-        )
+        return self._wait(identity, request_id, ("table", name), args["wait_s"], attempt, lambda: {}, args["consumer"])
 
     def _op_ack(self, args: dict, identity: Any, request_id: int) -> dict:
         name = args["table"]
