@@ -464,3 +464,21 @@ def test_restarts_a_role_cannot_take_are_refused_naming_the_field(tmp_path, top,
         DEFAULT_RECIPE.read_text().replace("[roles.inference]\n", "[roles.inference]\nmax_restarts = 3\n")
     )
     assert load_recipe(tmp_path / "r.toml").roles.inference.max_restarts == 3
+
+
+@pytest.mark.parametrize(
+    ("recipe", "value", "needle"),
+    [
+        (DEFAULT_RECIPE, "-1", "sampling.keep_partial_every: expected tokens >= 0, got -1"),
+        (
+            DEFAULT_RECIPE.parent / "recipes" / "calculator-tiny-cpu.toml",
+            "8",
+            "sampling.keep_partial_every: a multi-turn run's turn in progress is played again",
+        ),
+    ],
+)
+def test_keeping_responses_in_progress_is_refused_where_it_cannot_work(tmp_path, recipe, value, needle):
+    text = recipe.read_text().replace("[sampling]\n", f"[sampling]\nkeep_partial_every = {value}\n", 1)
+    (tmp_path / "r.toml").write_text(text)
+    with pytest.raises(SchemaError, match=re.escape(needle)):
+        load_recipe(tmp_path / "r.toml")
