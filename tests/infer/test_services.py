@@ -461,19 +461,23 @@ def partial_tables(client, unique) -> tuple[str, str]:
     return rollout, client.create_table(cols.partials_table(unique("partials"))).name
 
 
+def chunked(unique, rollout: str, partials: str, max_new_tokens: int, every: int) -> InferenceServiceConfig:
+    """A service that keeps each response in progress in chunks of `every` tokens."""
+    return InferenceServiceConfig(
+        table=rollout,
+        sampling=SamplingParams(max_new_tokens, temperature=1.0, seed=3),
+        context_length=128,
+        weights_stream=unique("weights"),
+        partials_table=partials,
+        partial_every=every,
+    )
+
+
 def test_a_response_in_progress_is_written_in_chunks_as_it_goes_and_dropped_once_the_response_is(client, unique):
     rollout, partials = partial_tables(client, unique)
     prompts = [torch.tensor([5, 6, 7 + r]) for r in range(6)]
     client.put(rollout, list(range(6)), {cols.PROMPT_IDS: prompts})
-    config = InferenceServiceConfig(
-        table=rollout,
-        sampling=SamplingParams(9, temperature=1.0, seed=3),
-        context_length=128,
-        weights_stream=unique("weights"),
-        partials_table=partials,
-        partial_every=2,
-    )
-    stats = asyncio.run(serve(client, config, 6))
+    stats = asyncio.run(serve(client, chunked(unique, rollout, partials, 9, 2), 6))
     batch = client.lease(rollout, "check", CHECK, count=6, timeout=5)
     lengths = [len(r) for r in batch.columns[cols.RESPONSE_IDS]]
     assert max(lengths) > 2, lengths
@@ -499,15 +503,7 @@ def test_a_new_service_continues_a_response_in_progress_from_its_chunks(client, 
                 cols.TOKEN_VERSIONS: [torch.tensor(versions)],
             },
         )
-    config = InferenceServiceConfig(
-        table=rollout,
-        sampling=SamplingParams(6, temperature=1.0, seed=3),
-        context_length=128,
-        weights_stream=unique("weights"),
-        partials_table=partials,
-        partial_every=4,
-    )
-    stats = asyncio.run(serve(client, config, 2))
+    stats = asyncio.run(serve(client, chunked(unique, rollout, partials, 6, 4), 2))
     assert (stats.resumed_rows, stats.resumed_tokens) == (1, 3)
     batch = client.lease(rollout, "check", CHECK, count=2, timeout=5)
     i = batch.row_ids.index(1)

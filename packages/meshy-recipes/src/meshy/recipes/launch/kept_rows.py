@@ -59,11 +59,10 @@ def announce_written(recipe: Recipe, client: DataPlaneClient, version: int, rows
 
 
 def keep_restored_rows(
-    recipe: Recipe, run_dir: Path, client: DataPlaneClient, tables: list[str], trained: set[int]
+    recipe: Recipe, version: int, client: DataPlaneClient, tables: list[str], trained: set[int]
 ) -> dict:
-    """Drop what the resumed run cannot use from the restored `tables` (`trained`: the rows trained into the
-    restored version or before); what was kept and dropped, and why, and the rollout rows kept."""
-    version = restored_version(run_dir)
+    """Drop what a run resumed at `version` cannot use from the restored `tables` (`trained`: the rows trained
+    into that version or before); what was kept and dropped, and why, and the rollout rows kept."""
     # response lengths of rows kept, of prompts kept, and of the responses in progress kept (their chunks so far)
     kept: dict[str, list[int]] = {"kept": [], "waiting": [], "partial": []}
     lengths: dict[str, list[int]] = defaultdict(list)  # why dropped -> response lengths
