@@ -218,6 +218,8 @@ class EnvironmentRole:
                 rows, columns = turn_columns([(s.trajectory, s.row, s.problem) for s in going], self.limits)
                 self._put_next(rows, columns, going[0].batch, [s.turn_row for s in going])
         ended = [s for s in group if not s.going]
+        for s in ended:  # recorded before the write: a row kept on disk after a kill has its record
+            self._finished(s.row, s.trajectory)
         if ended:
             columns = trajectory_columns([s.trajectory for s in ended])
             self._write_once(lambda r, c: client.add_columns(self.ctx.table, r, c), [s.row for s in ended], columns)
@@ -225,8 +227,6 @@ class EnvironmentRole:
             if rows := [s.turn_row for s in steps if not s.going]:
                 client.ack(steps[0].batch, rows)
         self.counts["turns"] += len(group)
-        for s in ended:
-            self._finished(s.row, s.trajectory)
 
     def _put_next(self, rows: list[int], columns: dict, batch: Batch, turn_rows: list[int]) -> None:
         """The next turns' rows, acking the turns they follow; one by one if some were written before (a
