@@ -187,7 +187,7 @@ def test_a_killed_data_plane_started_again_has_every_row_not_retired_and_offers_
             again = client.lease("rows", "train", ["ids", "text"], 3, min_count=1, whole_groups=True, timeout=5)
             assert again.group_ids == [1, 1, 2, 2, 3, 3], "the dead holder's group is offered again, first"
             put_groups(client, range(4, 8))  # new keys never land on a restored row's
-            assert client.existing("rows", list(range(16))) == [2, 3, 4, 5, 6, 7, *range(8, 16)]
+            assert client.written("rows", list(range(16))) == [2, 3, 4, 5, 6, 7, *range(8, 16)]
             assert [_plain(v) for v in client.peek("rows", ["ids"]).columns["ids"][:6]] == [
                 _plain(v) for v in before.columns["ids"]
             ]
@@ -195,7 +195,7 @@ def test_a_killed_data_plane_started_again_has_every_row_not_retired_and_offers_
                 client.drop("rows", [2, 3])
             client.ack(again)
             assert client.drop("rows", [8, 9]) == 2
-            assert client.existing("rows", [8, 9, 10]) == [10]
+            assert client.written("rows", [8, 9, 10]) == [10]
     finally:
         kill(server)
 
@@ -249,7 +249,7 @@ with DataPlaneServer.start(secret, cfg) as server, DataPlaneClient(server.endpoi
     except DataPlaneError as e:
         print("refused:", e)
     client.put("t", [2], {{"text": ["after"]}})
-    print("rows:", client.existing("t", [0, 1, 2]))
+    print("rows:", client.written("t", [0, 1, 2]))
 """
 
 

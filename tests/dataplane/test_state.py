@@ -7,6 +7,7 @@ import pytest
 from meshy.dataplane import Column, LeaseLostError, RingError, RowConflictError, SchemaError, TableSpec
 from meshy.dataplane.audit import DUPLICATE, GAP, OK, REORDERED, SequenceAudit
 from meshy.dataplane.rings import FALLBACK, ON_DEMAND, RingState
+from meshy.dataplane.row_ranges import RowRanges
 from meshy.dataplane.streams import StreamState
 from meshy.dataplane.tables import TableState
 
@@ -153,6 +154,36 @@ def test_rows_retire_once_every_retiring_task_acked_and_free_their_keys():
     assert t.rows == {} and t.groups == {} and t.retired == 1
     result, freed = t.ack("critic", [0], "c1")
     assert result.unknown == [0] and freed == []
+
+
+def test_a_consumed_row_id_cannot_be_put_again_but_a_dropped_one_can():
+    """A producer started again that writes what its predecessor wrote: rows consumed and retired are refused
+    and reported as written; rows dropped (a resume that cannot use them) are free to be written again."""
+    t = table(retire_after=("train",))
+    t.declare_task("train", ["prompt"], whole_groups=False)
+    put(t, [0, 1, 2, 3], ["prompt"])
+    t.ack("train", [0, 1, 3], "c1")
+    t.drop([2])
+    assert t.written(range(6)) == [0, 1, 3]
+    with pytest.raises(RowConflictError, match="duplicate row id 1 \\(the row was written, consumed and retired"):
+        put(t, [4, 1], ["prompt"])
+    assert t.written([4]) == [], "a refused put changes nothing"
+    put(t, [2, 4], ["prompt"])
+    assert t.written(range(6)) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("order", [list(range(12)), list(range(11, -1, -1)), [5, 0, 9, 2, 7, 1, 11, 3, 8, 4, 10, 6]])
+def test_row_ranges_hold_exactly_the_rows_added_in_as_few_ranges_as_they_make(order):
+    ranges = RowRanges()
+    for i, row in enumerate(order):
+        ranges.add(row)
+        ranges.add(row)  # twice changes nothing
+        added = set(order[: i + 1])
+        assert [r for r in range(-1, 14) if r in ranges] == sorted(added)
+        runs = sum(1 for r in added if r - 1 not in added)
+        assert len(ranges) == runs
+    ranges.clear()
+    assert len(ranges) == 0 and 0 not in ranges
 
 
 def test_a_row_leased_by_another_task_outlives_its_retiring_ack_until_that_lease_ends():

@@ -392,10 +392,11 @@ class DataPlaneClient:
         how many units went back."""
         return self._call("release_consumer", {"table": table, "consumer": consumer})
 
-    def existing(self, table: str, row_ids: Sequence[int]) -> list[int]:
-        """Which of `row_ids` the table holds now (a resumed run's producer skips rows its data plane kept)."""
-        check_row_ids(list(row_ids), "existing row_ids")
-        return self._call("existing", {"table": table, "row_ids": list(row_ids)})
+    def written(self, table: str, row_ids: Sequence[int]) -> list[int]:
+        """Which of `row_ids` were put and not dropped: held now, or consumed and retired since the data plane
+        started (or was resumed). A producer started again skips them: a row id is put once."""
+        check_row_ids(list(row_ids), "written row_ids")
+        return self._call("written", {"table": table, "row_ids": list(row_ids)})
 
     def peek(self, table: str, columns: Sequence[str]) -> Rows:
         """Every row of the table with `columns`, without leasing them: what a resumed run reads of the rows its

@@ -298,7 +298,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         manager.global_index_counter = max(manager.global_index_counter, restored.high_water)
         live: set[int] = set()
         for name, table in restored.tables.items():
-            self._tables[name] = table
+            table.retired_rows.clear()  # the resume decides which consumed rows are written again (trained after
+            self._tables[name] = table  # its checkpoint), so the ids of rows retired before are free again
             self.create_partition(name)
             keys = {k for row in table.rows.values() for k in row.keys.values()}
             manager.partition_to_indexes[name].update(keys)
@@ -513,9 +514,8 @@ class MeshyController(TransferQueueController.__ray_actor_class__):  # the class
         self._dirty.add(("table", table.spec.name))
         return len(freed)
 
-    def _op_existing(self, args: dict, identity: Any, request_id: int) -> list[int]:
-        rows = self._table(args["table"]).rows
-        return [r for r in args["row_ids"] if r in rows]
+    def _op_written(self, args: dict, identity: Any, request_id: int) -> list[int]:
+        return self._table(args["table"]).written(args["row_ids"])
 
     def _op_peek(self, args: dict, identity: Any, request_id: int) -> dict:
         table = self._table(args["table"])

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from meshy.dataplane.errors import LeaseLostError, RowConflictError, SchemaError
+from meshy.dataplane.row_ranges import RowRanges
 from meshy.dataplane.schema import TableSpec
 
 
@@ -74,6 +75,9 @@ class TableState:
         self._expiry: list[tuple[float, int]] = []
         self._retire_after = set(spec.retire_after)
         self.retired = 0
+        # every row its consumers retired (not those dropped): an id is put once, so a producer started again
+        # cannot write a row twice that was consumed already (since the data plane started or was resumed)
+        self.retired_rows = RowRanges()
 
     # ---- writes -------------------------------------------------------------------------------
     def check_commit(
@@ -86,6 +90,10 @@ class TableState:
             for r in row_ids:
                 if r in self.rows:
                     raise RowConflictError(f"table '{name}': duplicate row id {r} (the row already exists)")
+                if r in self.retired_rows:
+                    raise RowConflictError(
+                        f"table '{name}': duplicate row id {r} (the row was written, consumed and retired before)"
+                    )
             if self.spec.group_size > 1:
                 if group_ids is None or len(group_ids) != len(row_ids):
                     raise SchemaError(
@@ -274,6 +282,7 @@ class TableState:
             return []
         if any((row.group if t.whole_groups else r) in t.leased for t in self.tasks.values()):
             return []
+        self.retired_rows.add(r)
         return self._retire(r)
 
     def _retire(self, r: int) -> list[int]:
@@ -340,6 +349,10 @@ class TableState:
         task.ready = dict.fromkeys([*back, *task.ready])
         members = [r for u in back for r in (list(self.groups.get(u, ())) if task.whole_groups else [u])]
         return [k for r in members for k in self._retire_if_done(r)]
+
+    def written(self, row_ids: Sequence[int]) -> list[int]:
+        """Which of `row_ids` were put and not dropped: held now, or consumed and retired."""
+        return [r for r in row_ids if r in self.rows or r in self.retired_rows]
 
     def check_drop(self, row_ids: Sequence[int]) -> None:
         for r in row_ids:

@@ -1,0 +1,39 @@
+"""A set of row ids kept as sorted, disjoint [start, end) ranges: rows retire in long runs of consecutive
+ids, so a table remembers every row it ever retired in a few ranges instead of one entry per row."""
+
+import bisect
+
+
+class RowRanges:
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def __contains__(self, row: int) -> bool:
+        i = bisect.bisect_right(self._starts, row) - 1
+        return i >= 0 and row < self._ends[i]
+
+    def __len__(self) -> int:
+        """How many ranges (not rows) it holds."""
+        return len(self._starts)
+
+    def add(self, row: int) -> None:
+        i = bisect.bisect_right(self._starts, row) - 1  # the range starting at or before row, if any
+        if i >= 0 and row < self._ends[i]:
+            return
+        joins_left = i >= 0 and self._ends[i] == row
+        joins_right = i + 1 < len(self._starts) and self._starts[i + 1] == row + 1
+        if joins_left and joins_right:
+            self._ends[i] = self._ends.pop(i + 1)
+            del self._starts[i + 1]
+        elif joins_left:
+            self._ends[i] = row + 1
+        elif joins_right:
+            self._starts[i + 1] = row
+        else:
+            self._starts.insert(i + 1, row)
+            self._ends.insert(i + 1, row + 1)
+
+    def clear(self) -> None:
+        self._starts.clear()
+        self._ends.clear()
