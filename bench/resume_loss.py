@@ -7,8 +7,9 @@ Each row is a real `meshy run` of the embedded default recipe (tiny Qwen3, arith
 --recipe, changed by --pacing and --set) in which one process is SIGKILLed at a version drawn at random
 from the middle third of the run (--seed), then resumed with `meshy run --resume` if it stopped; the first
 row is the same run left alone. The kills: the data-plane host's controller (a), the inference process,
-stopping the run or restarted in place (`[roles.inference] max_restarts = 1`) (b), and training rank 0
-(c). Wall is from launch to the end of the last run, lost is its excess over the undisturbed run.
+stopping the run or restarted in place (`[roles.inference] max_restarts = 1`) (b), training rank 0 (c),
+and restarted in place, the rollout process (d) and a multi-turn recipe's environment process (e). Wall
+is from launch to the end of the last run, lost is its excess over the undisturbed run.
 Versions redone are those the killed run had trained past the checkpoint it resumed from; their trained
 tokens were thrown away and generated again. What an engine restarted in place had generated and not yet
 written (its rows in flight) is generated again too (unless `sampling.keep_partial_every` kept it in
@@ -38,7 +39,10 @@ KILLS = {
     "(b) inference, stop + resume": ("inference-0", 0),
     "(b) inference, restarted in place": ("inference-0", 1),
     "(c) training rank 0, stop + resume": ("training-0", 0),
+    "(d) rollout, restarted in place": ("rollout-0", 1),
+    "(e) environment, restarted in place": ("environment-0", 1),  # a multi-turn recipe's (--recipe calculator-...)
 }
+SINGLE_TURN_KILLS = [name for name, kill in KILLS.items() if kill is None or not kill[0].startswith("environment")]
 
 
 def records(run_dir: Path, name: str) -> list[dict]:
@@ -92,7 +96,7 @@ def measure(name: str, kill_at: int, durable: str, args: argparse.Namespace) -> 
         sets += [f'dataplane.durable="{durable}"', *args.set]
         sets += [f"algorithm.pacing={args.pacing}"] if args.pacing else []
         if kill is not None and kill[1]:
-            sets.append(f"roles.inference.max_restarts={kill[1]}")
+            sets.append(f"roles.{kill[0].rsplit('-', 1)[0]}.max_restarts={kill[1]}")
         started = time.monotonic()
         run = subprocess.Popen(
             COMMAND + ([args.recipe] if args.recipe else []) + [a for s in sets for a in ("--set", s)],
@@ -105,7 +109,7 @@ def measure(name: str, kill_at: int, durable: str, args: argparse.Namespace) -> 
         kept = None
         if kill is not None:
             run_dir = wait_for_version(run, Path(tmp), kill_at)
-            if kill[1]:  # restarting in place: the child running the engine, once it has started
+            if kill[1]:  # restarting in place: the child running the role, once it has started
                 while not any(r.get("attempt") == 0 for r in records(run_dir, kill[0]) if r["kind"] == "start"):
                     time.sleep(0.05)
             os.kill(victim(run_dir, kill[0]), signal.SIGKILL)
@@ -128,7 +132,7 @@ def measure(name: str, kill_at: int, durable: str, args: argparse.Namespace) -> 
         assert len(rows) == len(set(rows)), f"{name}: a row trained twice"
         dropped = sum(d["tokens"] for d in kept["dropped"].values()) if kept else 0
         continued = ""
-        if kill is not None and kill[1]:  # restarted in place: what its new engine continued from chunks
+        if kill is not None and kill[1] and kill[0].startswith("inference"):  # what its new engine continued
             engine = [r for r in records(run_dir, kill[0]) if r["kind"] == "inference"][-1]
             if engine["resumed_rows"]:
                 continued = f"{engine['resumed_tokens']} of {engine['resumed_rows']} in progress, continued"
@@ -150,7 +154,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="draws the version each kill comes after")
-    parser.add_argument("--kills", nargs="+", default=list(KILLS), choices=list(KILLS))
+    parser.add_argument("--kills", nargs="+", default=SINGLE_TURN_KILLS, choices=list(KILLS))
     parser.add_argument("--durable", nargs="+", default=["off", "batched"], choices=["off", "batched", "sync"])
     parser.add_argument("--pacing", help="algorithm.pacing: 1, 2, ... or '\"none\"' (default: the recipe's)")
     parser.add_argument("--recipe", default=None, help="a shipped recipe's name or a path (default: the embedded one)")

@@ -99,4 +99,5 @@ def test_a_resume_keeps_the_groups_the_restored_version_may_use_and_drops_the_re
         assert sorted(chunks.row_ids) == [cols.partial_row_id(waiting[0], 0), cols.partial_row_id(waiting[1], 0)]
         (announced,) = client.reader(KEPT_ROWS_STREAM, "check", start=1).read(max_n=5)
         # the rows the rollout role writes again from batch 5 on, but these: kept, or trained already
+        assert announced.payload["version"] == 5
         assert announced.payload["rows"] == sorted(generated + waiting + next_batch + trained_ahead)

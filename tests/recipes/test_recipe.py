@@ -446,9 +446,10 @@ def test_a_teacher_given_as_a_peft_adapter_is_refused(tmp_path):
     [
         (
             "",
-            "rollout",
+            "training",
             "1",
-            "roles.rollout.max_restarts: only ['inference', 'teacher', 'reference'] restart in place",
+            "roles.training.max_restarts: only ['inference', 'rollout', 'environment', 'teacher', 'reference'] "
+            "restart in place so far (a training process holds the run's progress)",
         ),
         ('colocate = [["training", "inference"]]\n', "inference", "1", "a member of a colocate ring cannot restart"),
         ('publish = "collective"\n', "inference", "2", 'with publish = "collective" every engine is a member'),

@@ -1,4 +1,5 @@
-"""A run that survives a lost engine: inference with max_restarts, SIGKILLed mid-run, started again in place.
+"""A run that survives a lost process: inference (or rollout, environment, teacher, reference) with max_restarts,
+SIGKILLed mid-run, started again in place.
 
 The run goes on without a resume; the rows the killed engine held come back when their short leases run
 out and are generated again; the ledger of the finished run holds every version once and every row once.
@@ -18,6 +19,7 @@ from meshy.dataplane.journal import JOURNAL_FILE
 from meshy.dataplane.record_log import read
 from meshy.recipes.observe.inspect_run import report
 from meshy.recipes.recipe.dataflow import PARTIALS
+from tests.recipes.test_agent_run import agent_recipe
 from tests.recipes.test_faults import COMMAND, STOP_WITHIN_S, wait_for_version
 from tests.recipes.test_pipeline import (
     GROUP,
@@ -172,3 +174,58 @@ def test_a_restarted_engine_continues_the_responses_its_predecessor_kept_in_chun
     check_run(run_dir, 0, resumed_at=STEPS, steps=STEPS)  # the killed engine's rows are in no record of its own
     final = [r for r in records(run_dir, "inference-0") if r["kind"] == "inference"][-1]
     assert final["resumed_rows"] > 0 and final["resumed_tokens"] >= 4, final
+
+
+def run_killing(recipe: Path, tmp_path: Path, process: str) -> tuple[Path, int, str]:
+    """Run `recipe`, SIGKILL `process`'s child after version 3 and let the run finish by itself: the run
+    directory, the killed pid and the run's stderr."""
+    run = subprocess.Popen(
+        [*COMMAND, str(recipe)], env=repo_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        run_dir = wait_for_version(run, tmp_path, 3)
+        first = engine_process(run_dir, 0, process)
+        os.kill(first, signal.SIGKILL)
+        engine_process(run_dir, 1, process)
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        kill_tree(run)
+        run.wait()
+    assert run.returncode == 0, stderr.decode()[-5000:]
+    assert f"process {process.rsplit('-', 1)[1]} (pid {first}) was killed by SIGKILL; starting it again" in (
+        stderr.decode()
+    )
+    return run_dir, first, stderr.decode()
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_restarts_in_place_and_writes_no_batch_its_predecessor_wrote(tmp_path):
+    """Pacing 2: the rollout process had written a batch ahead of training when it died; the one started again
+    in place skips every row its predecessor wrote (trained and retired, or still in the data plane), writes
+    the rest, and scores and computes the advantages of the rows left half done."""
+    recipe = small_recipe(tmp_path, "2", steps=STEPS)
+    recipe.write_text(recipe.read_text().replace("[roles.rollout]\n", "[roles.rollout]\nmax_restarts = 1\n"))
+    run_dir, first, _ = run_killing(recipe, tmp_path, "rollout-0")
+    check_run(run_dir, 1, steps=STEPS)
+    found = records(run_dir, "rollout-0")
+    (restart,) = [r for r in found if r["kind"] == "restart"]
+    assert restart["pid"] == first
+    before = [r["batch"] for r in found if r["kind"] == "batch" and r["time"] < restart["time"]]
+    after = [r["batch"] for r in found if r["kind"] == "batch" and r["time"] > restart["time"]]
+    assert before and after and not set(before) & set(after), (before, after)
+    assert sorted(before + after) == list(range(len(before) + len(after))), "every batch written once, in order"
+
+
+@pytest.mark.slow
+def test_a_killed_environment_restarts_in_place_and_its_trajectories_are_played_on_token_exact(tmp_path):
+    """Multi-turn: an environment process dies with trajectories between turns; the one started again in place
+    (or its sibling) takes the turns its predecessor held, and every trajectory reaches training once and
+    token exact (the auditor's checks)."""
+    recipe = agent_recipe(tmp_path, steps=STEPS)
+    recipe.write_text(recipe.read_text().replace("[roles.environment]\n", "[roles.environment]\nmax_restarts = 1\n"))
+    run_dir, first, _ = run_killing(recipe, tmp_path, "environment-0")
+    check_run(run_dir, 1, steps=STEPS, enforced=True)
+    audits = [r for r in records(run_dir, "auditor-0") if r["kind"] == "audit"]
+    assert audits and [a for a in audits if a["problems"]] == []
+    (restart,) = [r for r in records(run_dir, "environment-0") if r["kind"] == "restart"]
+    assert restart["pid"] == first

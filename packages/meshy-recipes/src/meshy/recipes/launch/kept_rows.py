@@ -52,10 +52,11 @@ def trained_rows(run_dir: Path, version: int) -> set[int]:
 
 
 def announce_written(recipe: Recipe, client: DataPlaneClient, version: int, rows: set[int]) -> None:
-    """Tell the rollout role which rows of the batches it writes again (the restored version's onward) are
-    not to be written: kept from the stopped run, or trained into the restored version already."""
+    """Tell the rollout role the version the run resumed at (its first batch) and which rows of the batches it
+    writes again (that version's onward) are not to be written: kept from the stopped run, or trained into
+    the restored version already."""
     first = version * recipe.algorithm.prompts_per_step * recipe.algorithm.group_size
-    client.append(KEPT_ROWS_STREAM, {"rows": sorted(r for r in rows if r >= first)})
+    client.append(KEPT_ROWS_STREAM, {"version": version, "rows": sorted(r for r in rows if r >= first)})
 
 
 def keep_restored_rows(

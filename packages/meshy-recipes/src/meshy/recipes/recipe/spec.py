@@ -37,7 +37,8 @@ DEFAULT_RECIPE = Path(__file__).parents[1] / "default.toml"
 MAX_NODES = 1 << 14
 MAX_PROCESSES = 1 << 16  # per role
 MAX_RESTARTS = 1000  # per process: a role that dies more often than this is broken, not unlucky
-RESTARTABLE_ROLES = ("inference", "teacher", "reference")  # roles that hold no state a restart would lose
+# roles that hold no state a restart would lose (rollout reads what its predecessor wrote from the data plane)
+RESTARTABLE_ROLES = ("inference", "rollout", "environment", "teacher", "reference")
 
 
 def _check_placement(spec: "RoleSpec | CustomRoleSpec") -> None:
@@ -72,8 +73,9 @@ class RoleSpec:
     max_restarts: int = 0
     """Times a process of the role killed by a signal (SIGKILL, the OOM killer) is started again in place while the
     run goes on; past them, or with 0, the run stops as any process's death stops it (meshy run --resume). Inference,
-    teacher and reference only (they hold nothing of the run's progress), not in a colocate ring, nor inference with
-    publish = "collective"; each process then runs the role in a child of its own (meshy.recipes.launch.restarts)."""
+    rollout, environment, teacher and reference only (they hold nothing of the run's progress), not in a colocate
+    ring, nor inference with publish = "collective"; each process then runs the role in a child of its own
+    (meshy.recipes.launch.restarts)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -68,7 +68,8 @@ class RolloutRole:
         if ctx.recipe.eval is not None:  # never trained on
             self.problems = WithoutHeldOut(self.problems, held_out_problems(ctx.recipe))
         self.drop = ctx.recipe.on_task_error == "drop"
-        self.written_before = self._written_before()
+        self.first_batch, self.written_before = self._written_before()
+        self.predecessor_wrote = True  # until a batch has no row in the data plane (see _write_batch)
         self.rows_written = self.problems_drawn = 0
         self.failure: BaseException | None = None
 
@@ -102,29 +103,32 @@ class RolloutRole:
         slot = ctx.slot
         weights = ctx.client.reader(WEIGHTS_STREAM, f"rollout-{slot.index}-pacing", start=1)
         ahead = algo.window if algo.window is not None else FREE_BATCHES
-        latest = batch = None  # batch b is trained into version b + 1
+        batch = self._skip_to(self.first_batch)  # batch b is trained into version b + 1
+        latest = None
         while not ctx.stop.is_set():
             waiting = latest is None or batch >= latest + ahead  # then block on the next version
             for message in weights.read(max_n=1024, timeout=0.5 if waiting else 0.0):
                 latest = message.payload["version"]
-                if batch is None:  # the first version announced: 0, or the one a resumed run restored
-                    batch = self._skip_to(latest)
             if latest is None or batch >= latest + ahead:
                 continue
-            self._write_batch(batch)
-            held_out = {"held_out_skipped": self.problems.skipped} if isinstance(self.problems, WithoutHeldOut) else {}
-            ctx.record(RecordKind.BATCH, batch=batch, latest_version=latest, rows=self.rows_written, **held_out)
+            if self._write_batch(batch):
+                skipped = self.problems.skipped if isinstance(self.problems, WithoutHeldOut) else None
+                held_out = {"held_out_skipped": skipped} if skipped is not None else {}
+                ctx.record(RecordKind.BATCH, batch=batch, latest_version=latest, rows=self.rows_written, **held_out)
             batch += 1
 
-    def _written_before(self) -> set[int]:
-        """The rows a resumed run must not write again (none for a fresh run): kept from its stopped run, or
-        trained into the restored version already (meshy.recipes.launch.kept_rows)."""
+    def _written_before(self) -> tuple[int, set[int]]:
+        """The run's first batch (the version it resumed at; 0 for a fresh run) and the rows a resumed run must
+        not write again: kept from its stopped run, or trained into the restored version already
+        (meshy.recipes.launch.kept_rows)."""
         reader = self.ctx.client.reader(KEPT_ROWS_STREAM, f"rollout-{self.ctx.slot.index}-kept", start=1)
         try:
             messages = reader.read(max_n=1)  # appended before any role started, if at all
         finally:
             reader.close()
-        return set(messages[0].payload["rows"]) if messages else set()
+        if not messages:
+            return 0, set()
+        return messages[0].payload["version"], set(messages[0].payload["rows"])
 
     def _skip_to(self, version: int) -> int:
         """Continue the prompt sequence at the batch a run restored at `version` trains next."""
@@ -154,7 +158,9 @@ class RolloutRole:
                 self.ctx.record(RecordKind.TASK_ERRORS, rows=[], errors={e.summary: 1})
         raise AssertionError("unreachable")
 
-    def _write_batch(self, batch: int) -> None:
+    def _write_batch(self, batch: int) -> int:
+        """Writes the batch's rows but those written before (by a stopped run, or the process this one
+        replaces); how many it wrote."""
         algo, slot = self.ctx.recipe.algorithm, self.ctx.slot
         per_process = algo.prompts_per_step // slot.count
         multi_turn = self.ctx.recipe.multi_turn
@@ -172,14 +178,20 @@ class RolloutRole:
                 prompts.append(prompt)
                 truths.append(problem.answer)
         prompt_column = cols.PROBLEM if multi_turn else cols.PROMPT_IDS
-        if self.written_before:  # a resumed run's rows kept on disk, or trained before its checkpoint
-            new = [i for i, r in enumerate(rows) if r not in self.written_before]
+        written = self.written_before  # a resumed run's rows kept on disk, or trained before its checkpoint
+        if self.predecessor_wrote:  # a process started again in place: what the one it replaces wrote
+            found = self.ctx.client.written(self.ctx.table, rows)
+            self.predecessor_wrote = bool(found)  # batches are written in order: none after the first it lacks
+            written = written | set(found)
+        if written:
+            new = [i for i, r in enumerate(rows) if r not in written]
             if not new:
-                return
+                return 0
             rows, groups = [rows[i] for i in new], [groups[i] for i in new]
             prompts, truths = [prompts[i] for i in new], [truths[i] for i in new]
         self.ctx.client.put(self.ctx.table, rows, {prompt_column: prompts, cols.GROUND_TRUTH: truths}, group_ids=groups)
         self.rows_written += len(rows)
+        return len(rows)
 
     # ---- rewards ------------------------------------------------------------------------------
     def score(self) -> None:
