@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from meshy.train import checkpoint
 from tests.infer.test_sglang_engine import use_stub_kernels
 from tests.recipes.test_agent_run import agent_recipe
 from tests.recipes.test_pipeline import (
     FREE_BATCHES,
+    GROUP,
+    GROUPS,
     REPO,
     check_run,
     checkpointed,
@@ -141,7 +144,9 @@ def test_a_resumed_run_trains_the_generated_rows_its_stopped_run_kept_on_disk(tm
     assert kept["kept"]["rows"] > 0 and kept["kept"]["tokens"] > 0, kept
     later = f"generated under a version after v{restored}, which the resumed run discards"
     ahead = f"written ahead of what pacing allows at v{restored}: written again when due"
-    assert set(kept["dropped"]) <= {later, ahead}, kept["dropped"]
+    # rows are acked once a checkpoint holds their version: the kill may land between the two
+    checkpointed = f"trained into v{restored} or before, the version resumed from"
+    assert set(kept["dropped"]) <= {later, ahead, checkpointed}, kept["dropped"]
     first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][restored]
     assert first["version"] == restored + 1 and first["rows_trained"] > 0
     audit = subprocess.run(
@@ -280,3 +285,41 @@ def test_killing_torchrun_takes_every_process_of_the_run_with_it(tmp_path):
         kill_tree(meshy)
         kill_left(started)  # a failed run leaves orphans no longer under meshy: kill them by pid
         meshy.wait()
+
+
+@pytest.mark.slow
+def test_rows_trained_after_the_newest_checkpoint_are_trained_again_after_a_resume_not_generated_again(tmp_path):
+    """Rows kept on disk are acked only once a checkpoint holds the version that trained them: a trainer killed
+    a version or two past its newest checkpoint leaves them in the data plane, and the resumed run trains the
+    very same rows again for that version instead of generating new ones (none of its tokens regenerated)."""
+    every = 5
+    recipe = small_recipe(tmp_path, "1", steps=STEPS)
+    recipe.write_text(re.sub(r"^checkpoint_every = .*$", f"checkpoint_every = {every}", recipe.read_text(), flags=re.M))
+    run = subprocess.Popen([*COMMAND, str(recipe)], env=repo_env(), start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        run_dir = wait_for_version(run, tmp_path, every, checkpoint=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # a version or two past the newest checkpoint, well before the next
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            newest = checkpoint.latest(run_dir / "checkpoints")
+            if newest is not None and 1 <= len(lines) - checkpoint.step_of(newest) <= 2:
+                break
+            time.sleep(0.002)
+        os.kill(victim_pid(run_dir, "training-0"), signal.SIGKILL)
+        run.communicate(timeout=STOP_WITHIN_S)
+    finally:
+        kill_tree(run)
+        run.wait()
+    restored = checkpoint.step_of(checkpoint.latest(run_dir / "checkpoints"))
+    stopped = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(stopped) > restored, "killed past its newest checkpoint"
+    resumed = subprocess.run([*COMMAND, "--resume", str(run_dir)], env=repo_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
+    kept = kept_rows(run_dir)
+    assert kept is not None and kept["kept"]["rows"] >= GROUPS * GROUP, kept
+    assert not any("trained after the checkpoint" in reason for reason in kept["dropped"]), kept["dropped"]
+    after = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    retrained = after[restored]
+    assert retrained["version"] == restored + 1
+    assert retrained["row_ids"] == stopped[restored]["row_ids"], "the same rows trained again, none regenerated"

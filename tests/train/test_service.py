@@ -306,6 +306,63 @@ def test_a_version_s_metrics_line_is_written_before_its_checkpoint(client, uniqu
     assert checkpoint.step_of(checkpoint.latest(tmp_path / "checkpoints")) == 2
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_with_ack_when_checkpointed_a_version_s_rows_retire_only_once_a_checkpoint_holds_it(
+    client, unique, tmp_path, background
+):
+    """Rows trained after the newest checkpoint stay in the data plane, leased (and renewed) by the trainer, so
+    that a run resumed from that checkpoint can train them again; a checkpoint written acks them."""
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
+    put_groups(client, table, range(5), 2, ARCH.vocab_size)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(
+        table=table,
+        groups_per_rank=1,
+        batch_timeout_s=5,
+        lease_s=3.0,
+        checkpoint_every=2,
+        checkpoint_in_background=background,
+        ack_when_checkpointed=True,
+    )
+    service = TrainingService(
+        client,
+        PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none")),
+        DirectoryPublisher(tmp_path / "weights", ARCH, dtype="float32"),
+        config,
+        metrics=MetricsLog(tmp_path / "metrics.jsonl"),
+        checkpoint_dir=tmp_path / "checkpoints",
+    )
+
+    def trained() -> int:
+        """Trains a version; how many rows have retired."""
+        service.train_batch(service.wait_for_batch())
+        return client.table_stats(table)["retired"]
+
+    def written(version: int) -> None:
+        deadline = time.monotonic() + 60
+        while checkpoint.latest(tmp_path / "checkpoints") != tmp_path / "checkpoints" / f"step-{version:08d}":
+            assert time.monotonic() < deadline, f"checkpoint {version} was not written"
+            time.sleep(0.01)
+
+    if background:
+        assert [trained(), trained()] == [0, 0]  # version 2's checkpoint is being written
+        written(2)
+        assert trained() == 2 * 2, "versions 1 and 2 acked once their checkpoint was written"
+        time.sleep(2.0)  # past half the lease: version 3's is renewed
+        assert trained() == 2 * 2
+        written(4)
+        time.sleep(2.0)  # version 3's rows held past their first lease
+        assert trained() == 4 * 2
+    else:
+        assert [trained() for _ in range(5)] == [0, 2 * 2, 2 * 2, 4 * 2, 4 * 2]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for m in lines for r in m["row_ids"]]
+    assert sorted(rows) == list(range(10)), "every row trained once: no held row's lease ran out"
+    service.close()
+    with pytest.raises(SchemaError, match="ack_when_checkpointed: needs checkpoint_every >= 1"):
+        TrainServiceConfig(table=table, ack_when_checkpointed=True)
+
+
 def test_a_step_with_no_token_to_train_leaves_every_weight_where_it_is():
     """AdamW would move every weight along its momentum even with zero gradients: a step whose rows were
     all dropped (say, dynamic sampling once every group is right) must not move the policy."""

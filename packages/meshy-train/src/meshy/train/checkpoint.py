@@ -167,6 +167,10 @@ class BackgroundSaves:
         )
         self._pending = self._finisher.submit(self._finish, written, tmp, final)
 
+    def written(self) -> bool:
+        """Whether no save is in flight any more (its outcome is `wait`'s)."""
+        return self._pending is None or self._pending.done()
+
     def wait(self) -> Path | None:
         """Finishes the save in flight; its checkpoint directory (None if there was none)."""
         pending, self._pending = self._pending, None

@@ -90,7 +90,11 @@ class TrainServiceConfig:
     mixture-of-experts model only). policy_mask: also lease policy_mask and train only the tokens it marks (multi-turn
     trajectories). batch_groups: when set, version v trains the groups with ids in [v * batch_groups, (v + 1) *
     batch_groups), the batch rollout wrote for it, even when a later batch's groups are ready first: only so
-    does bounded pacing bound the age of what is trained (None: whichever groups are ready first)."""
+    does bounded pacing bound the age of what is trained (None: whichever groups are ready first).
+    ack_when_checkpointed: a version's rows are acked (and retire) only once a checkpoint holds that version, their
+    leases renewed until then: with rows kept on disk, a run resumed from the newest checkpoint finds the rows
+    trained after it still there and trains them again instead of generating them again (needs checkpoint_every;
+    the data plane holds up to checkpoint_every versions' rows more)."""
 
     table: str = "rollout"
     task: str = cols.TRAIN_TASK.name
@@ -109,9 +113,12 @@ class TrainServiceConfig:
     routing_replay: bool = False
     policy_mask: bool = False
     batch_groups: int | None = None
+    ack_when_checkpointed: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.ack_when_checkpointed and not self.checkpoint_every:
+            raise SchemaError("TrainServiceConfig.ack_when_checkpointed: needs checkpoint_every >= 1, got 0")
         if self.batch_groups is not None and self.batch_groups < 1:
             raise SchemaError(f"TrainServiceConfig.batch_groups: expected None or >= 1, got {self.batch_groups}")
         if (
@@ -243,6 +250,8 @@ class TrainingService:
         self.config = config
         self.metrics = metrics or MetricsLog(None)
         self.checkpoint_dir = checkpoint_dir
+        if config.ack_when_checkpointed and checkpoint_dir is None:
+            raise SchemaError("TrainingService: ack_when_checkpointed needs a checkpoint_dir (none would be acked)")
         in_background = checkpoint_dir is not None and config.checkpoint_every > 0 and config.checkpoint_in_background
         self._background_saves = checkpoint.BackgroundSaves(checkpoint_dir) if in_background else None
         self.version = version
@@ -258,6 +267,8 @@ class TrainingService:
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshy-train-prefetch")
         self._next: Future | None = None
         self._closing = threading.Event()
+        self._unacked: list[tuple[int, Batch]] = []  # (the version it trained, its rows), until checkpointed
+        self._saving: int | None = None  # the version of the background checkpoint being written
 
     def publish_initial(self) -> Published | None:
         """Announce the starting weights as the current version, so engines start from the same ones."""
@@ -282,7 +293,9 @@ class TrainingService:
         reward_mean = self._reward_mean(batch)
         explore = reward_mean is not None and reward_mean < self.best_reward  # the same on every rank
         steps, train_s = _timed(lambda: self._steps(minibatches, explore))
-        if batch is not None:
+        if batch is not None and self.config.ack_when_checkpointed:
+            self._unacked.append((self.version + 1, batch))
+        elif batch is not None:
             self.client.ack(batch)
         published, publish_s = _timed(self._publish_next)
         if reward_mean is not None:
@@ -291,6 +304,7 @@ class TrainingService:
         record = self._record(rows, dropped, staleness, minibatches, steps, reward_mean, seconds, published)
         self.metrics.write(record)
         self._checkpoint()
+        self._ack_checkpointed()
         return record
 
     @property
@@ -385,9 +399,29 @@ class TrainingService:
         if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0 and self.checkpoint_dir is not None:
             cursors = {"version": self.version, "best_reward": self.best_reward}
             if self._background_saves is not None:
-                self._background_saves.save(self.version, self.trainer, cursors)
+                self._background_saves.save(self.version, self.trainer, cursors)  # the one before is written now
+                self._ack_through(self._saving)
+                self._saving = self.version
             else:
                 checkpoint.save(self.checkpoint_dir, self.version, self.trainer, cursors)
+                self._ack_through(self.version)
+
+    def _ack_checkpointed(self) -> None:
+        """With ack_when_checkpointed: ack the rows of versions a written checkpoint holds, and renew the
+        leases of the others before they run out."""
+        if self._saving is not None and self._background_saves.written():
+            self._background_saves.wait()  # raises its error, if it failed
+            self._ack_through(self._saving)
+            self._saving = None
+        renew_before = time.monotonic() + self.config.lease_s / 2
+        for _, batch in self._unacked:
+            if batch.deadline < renew_before:
+                self.client.renew(batch, self.config.lease_s)
+
+    def _ack_through(self, version: int | None) -> None:
+        """Ack the rows held for versions up to `version` (None: none)."""
+        while version is not None and self._unacked and self._unacked[0][0] <= version:
+            self.client.ack(self._unacked.pop(0)[1])
 
     def _lease(self, version: int) -> Batch | None:
         """This rank's rows for a version, or None after batch_timeout_s (sooner once closing: a prefetch

@@ -78,6 +78,11 @@ class TrainingRole:
             policy_mask=recipe.multi_turn,
             # bounded pacing: version v trains batch v (rollout numbers batch b's groups from b * prompts_per_step)
             batch_groups=algo.prompts_per_step if algo.window is not None else None,
+            # rows on disk outlive a stopped run: those trained after the newest checkpoint are trained again
+            # from it instead of generated again (a critic's acks are not held back: PPO runs ack as they train)
+            ack_when_checkpointed=recipe.dataplane.durable != "off"
+            and recipe.checkpoint_every > 0
+            and algo.kind != "ppo",
         )
         self.service = TrainingService(
             ctx.client,
