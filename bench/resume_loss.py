@@ -84,7 +84,10 @@ def _kept(kept: dict | None) -> str:
     """Generated tokens a resume kept: of whole responses, and of responses in progress (keep_partial_every)."""
     if kept is None:
         return ""
-    text = f"{kept['kept']['tokens']} ({kept['kept']['rows']} rows)"
+    retrained = kept.get("retrained", {}).get("rows")
+    text = f"{kept['kept']['tokens']} ({kept['kept']['rows']} rows" + (
+        f", {retrained} trained again)" if retrained else ")"
+    )
     partial = kept["partial"]
     return text + (f" + {partial['tokens']} of {partial['rows']} in progress" if partial["rows"] else "")
 

@@ -317,8 +317,13 @@ def test_rows_trained_after_the_newest_checkpoint_are_trained_again_after_a_resu
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     check_run(run_dir, 0, resumed_at=restored, steps=STEPS)
     kept = kept_rows(run_dir)
-    assert kept is not None and kept["kept"]["rows"] >= GROUPS * GROUP, kept
+    assert kept is not None and kept["retrained"]["rows"] == GROUPS * GROUP, kept  # the first discarded version's
     assert not any("trained after the checkpoint" in reason for reason in kept["dropped"]), kept["dropped"]
+    audit = subprocess.run(
+        [*COMMAND[:-1], "inspect", str(run_dir)], env=repo_env(), capture_output=True, text=True, timeout=120
+    )
+    assert f"{GROUPS * GROUP} rows, {kept['retrained']['tokens']} tokens" in audit.stdout, audit.stdout
+    assert "of them trained again: a version after the checkpoint had trained them" in audit.stdout
     after = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     retrained = after[restored]
     assert retrained["version"] == restored + 1

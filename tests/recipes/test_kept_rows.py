@@ -65,10 +65,11 @@ def test_a_resume_keeps_the_groups_the_restored_version_may_use_and_drops_the_re
         before = put_group(client, 4 * per_batch - 1, [[3, 3]] * GROUP)  # batch 3: trained into v4 already
         untrained = put_group(client, 4 * per_batch - 2, [[3, 3]] * GROUP)  # batch 3, never trained: kept
         trained_ahead = list(range(6 * per_batch * GROUP + GROUP, 6 * per_batch * GROUP + 2 * GROUP))  # retired
+        # batch 5, under v4 and v5: kept, and trained into v6 by the stopped run (acked only once checkpointed)
+        generated = put_group(client, 5 * per_batch, [[4, 5]] * GROUP)
         trained = {"row_ids": [*range(GROUP), *before], "dropped": [{"row": r} for r in trained_ahead]}
-        lines = [{"version": 4, **trained}, {"version": 6, "row_ids": generated_ids(), "dropped": []}]
+        lines = [{"version": 4, **trained}, {"version": 6, "row_ids": [*generated_ids(), *generated], "dropped": []}]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-        generated = put_group(client, 5 * per_batch, [[4, 5]] * GROUP)  # batch 5, under v4 and v5: kept
         later = put_group(client, 5 * per_batch + 1, [[5]] * (GROUP - 1) + [[5, 6]])  # one token from v6
         waiting = put_group(client, 5 * per_batch + 2, None)  # prompts only: kept
         next_batch = put_group(client, 6 * per_batch, None)  # W = 2: batch 6 is written at v5
@@ -82,6 +83,7 @@ def test_a_resume_keeps_the_groups_the_restored_version_may_use_and_drops_the_re
 
         assert kept["version"] == VERSION
         assert kept["kept"]["rows"] == 2 * GROUP and kept["kept"]["tokens"] == 4 * GROUP
+        assert (kept["retrained"]["rows"], kept["retrained"]["tokens"]) == (GROUP, 2 * GROUP)
         assert kept["waiting"]["rows"] == 2 * GROUP
         assert (kept["partial"]["rows"], kept["partial"]["tokens"]) == (2, 3)
         dropped = {reason: (f["rows"], f["tokens"]) for reason, f in kept["dropped"].items()}

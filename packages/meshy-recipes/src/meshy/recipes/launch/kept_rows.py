@@ -43,12 +43,15 @@ def restored_version(run_dir: Path) -> int:
     return checkpoint.step_of(newest) if newest is not None else 0
 
 
-def trained_rows(run_dir: Path, version: int) -> set[int]:
-    """The rows trained (or dropped by the trainer) into `version` or before, from the run's metrics lines."""
+def trained_rows(run_dir: Path, version: int) -> tuple[set[int], set[int]]:
+    """The rows trained (or dropped by the trainer) into `version` or before, and into the later versions a run
+    resumed at `version` discards, from the run's metrics lines."""
     path = run_dir / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    kept = [m for m in lines if m["version"] <= version]
-    return {r for m in kept for r in m["row_ids"]} | {d["row"] for m in kept for d in m["dropped"]}
+    before, after = set(), set()
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        m = json.loads(line)
+        (before if m["version"] <= version else after).update([*m["row_ids"], *(d["row"] for d in m["dropped"])])
+    return before, after
 
 
 def announce_written(recipe: Recipe, client: DataPlaneClient, version: int, rows: set[int]) -> None:
@@ -60,12 +63,19 @@ def announce_written(recipe: Recipe, client: DataPlaneClient, version: int, rows
 
 
 def keep_restored_rows(
-    recipe: Recipe, version: int, client: DataPlaneClient, tables: list[str], trained: set[int]
+    recipe: Recipe,
+    version: int,
+    client: DataPlaneClient,
+    tables: list[str],
+    trained: set[int],
+    trained_after: set[int],
 ) -> dict:
     """Drop what a run resumed at `version` cannot use from the restored `tables` (`trained`: the rows trained
-    into that version or before); what was kept and dropped, and why, and the rollout rows kept."""
-    # response lengths of rows kept, of prompts kept, and of the responses in progress kept (their chunks so far)
-    kept: dict[str, list[int]] = {"kept": [], "waiting": [], "partial": []}
+    into that version or before; `trained_after`: into the versions after it); what was kept and dropped, and
+    why, and the rollout rows kept."""
+    # response lengths of rows kept (and of those among them a discarded version trained: trained again, not
+    # generated again), of prompts kept, and of the responses in progress kept (their chunks so far)
+    kept: dict[str, list[int]] = {"kept": [], "retrained": [], "waiting": [], "partial": []}
     lengths: dict[str, list[int]] = defaultdict(list)  # why dropped -> response lengths
     table = rollout_table(recipe).name
     waiting: set[int] = set()  # rows kept with no response yet
@@ -85,6 +95,8 @@ def keep_restored_rows(
                 kept["kept" if response is not None else "waiting"].append(_length(response))
                 if response is None:
                     waiting.add(row)
+                elif row in trained_after:
+                    kept["retrained"].append(_length(response))
         if dropped:
             client.drop(table, dropped)
         gone = set(dropped)
@@ -177,7 +189,8 @@ def _figures(lengths: list[int]) -> dict:
 def kept_rows_line(kept: dict) -> str:
     """What a resumed run kept, in one line for its output."""
     line = (
-        f"data plane: kept {kept['kept']['rows']} generated rows ({kept['kept']['tokens']} tokens) and "
+        f"data plane: kept {kept['kept']['rows']} generated rows ({kept['kept']['tokens']} tokens; "
+        f"{kept['retrained']['rows']} of them trained again, by versions the resume discards) and "
         f"{kept['waiting']['rows']} prompts waiting for generation ({kept['partial']['rows']} of them with "
         f"{kept['partial']['tokens']} tokens of their responses) from the stopped run, resuming at v{kept['version']}"
     )

@@ -30,9 +30,12 @@ def resume_rows(recipe: Recipe, run_dir: Path, endpoints: Endpoints, secret: byt
     tables = (restored["controller"] or {}).get("rows", {})
     if not version and not any(tables.values()):
         return None  # a fresh run, or one resumed from its start with nothing kept
-    trained = trained_rows(run_dir, version)
+    trained, trained_after = trained_rows(run_dir, version)
     with DataPlaneClient(endpoints, secret, recipe.dataplane, name="resume") as client:
-        kept = keep_restored_rows(recipe, version, client, list(tables), trained) if any(tables.values()) else None
+        restored_rows = any(tables.values())
+        kept = (
+            keep_restored_rows(recipe, version, client, list(tables), trained, trained_after) if restored_rows else None
+        )
         announce_written(recipe, client, version, trained | set(kept.pop("rows_kept") if kept else ()))
     if kept is not None:
         units_torn = sum(unit["torn_bytes"] for unit in restored["storage"] if unit)

@@ -131,7 +131,10 @@ def _kept_rows(run: RunRecords) -> list[str]:
     out = []
     for kept in run.of_kind(RecordKind.KEPT_ROWS):
         out.append(f"resumed at v{kept['version']} with rows kept on disk:")
-        shares = [("kept, generated", kept["kept"]), ("kept, waiting for generation", kept["waiting"])]
+        shares = [("kept, generated", kept["kept"])]
+        if kept.get("retrained", {}).get("rows"):  # (older records have no such figure)
+            shares += [("of them trained again: a version after the checkpoint had trained them", kept["retrained"])]
+        shares += [("kept, waiting for generation", kept["waiting"])]
         shares += [("kept, responses in progress to continue", kept["partial"])] if kept["partial"]["rows"] else []
         shares += [(f"dropped: {reason}", f) for reason, f in kept["dropped"].items()]
         for what, f in shares:
