@@ -541,7 +541,9 @@ class Recipe:
     run_dir: str = "runs"
     """The directory in which run directories are made."""
     checkpoint_every: int = 0
-    """Versions between checkpoints in the run directory's checkpoints/ (0: never)."""
+    """Versions between checkpoints in the run directory's checkpoints/ (0: never). With rows kept on disk
+    ([dataplane] durable), a version's rows are freed only once a checkpoint holds it, so that a resume trains
+    them again instead of generating them again: the data plane holds up to this many versions' rows more."""
     checkpoint_in_background: bool = True
     """Write each checkpoint while the next versions train (the state is copied to host memory first, then
     written, hashed and renamed into place in the background; a failed write stops the run at the next

@@ -79,10 +79,12 @@ class TrainingRole:
             # bounded pacing: version v trains batch v (rollout numbers batch b's groups from b * prompts_per_step)
             batch_groups=algo.prompts_per_step if algo.window is not None else None,
             # rows on disk outlive a stopped run: those trained after the newest checkpoint are trained again
-            # from it instead of generated again (a critic's acks are not held back: PPO runs ack as they train)
+            # from it instead of generated again. Not in PPO runs (the critic acks as it trains) nor with routing
+            # replay (a row's routing is layers x top_k per token: too large to hold for checkpoint_every versions)
             ack_when_checkpointed=recipe.dataplane.durable != "off"
             and recipe.checkpoint_every > 0
-            and algo.kind != "ppo",
+            and algo.kind != "ppo"
+            and not algo.routing_replay,
         )
         self.service = TrainingService(
             ctx.client,
