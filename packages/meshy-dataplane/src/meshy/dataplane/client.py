@@ -394,7 +394,7 @@ class DataPlaneClient:
 
     def written(self, table: str, row_ids: Sequence[int]) -> list[int]:
         """Which of `row_ids` were put and not dropped: held now, or consumed and retired since the data plane
-        started (or was resumed). A producer started again skips them: a row id is put once."""
+        started (or was resumed). A producer started again skips them, so as not to write a row twice."""
         check_row_ids(list(row_ids), "written row_ids")
         return self._call("written", {"table": table, "row_ids": list(row_ids)})
 

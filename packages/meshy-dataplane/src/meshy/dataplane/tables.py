@@ -75,8 +75,8 @@ class TableState:
         self._expiry: list[tuple[float, int]] = []
         self._retire_after = set(spec.retire_after)
         self.retired = 0
-        # every row its consumers retired (not those dropped): an id is put once, so a producer started again
-        # cannot write a row twice that was consumed already (since the data plane started or was resumed)
+        # every row its consumers retired (not those dropped), since the data plane started or was resumed: what a
+        # producer started again asks for (`written`), so as not to write again a row consumed already
         self.retired_rows = RowRanges()
 
     # ---- writes -------------------------------------------------------------------------------
@@ -90,10 +90,6 @@ class TableState:
             for r in row_ids:
                 if r in self.rows:
                     raise RowConflictError(f"table '{name}': duplicate row id {r} (the row already exists)")
-                if r in self.retired_rows:
-                    raise RowConflictError(
-                        f"table '{name}': duplicate row id {r} (the row was written, consumed and retired before)"
-                    )
             if self.spec.group_size > 1:
                 if group_ids is None or len(group_ids) != len(row_ids):
                     raise SchemaError(

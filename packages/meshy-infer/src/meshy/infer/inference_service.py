@@ -248,7 +248,7 @@ class InferenceService:
         unknown = [r for r in row_ids if r not in self._partials]
         if unknown:
             first_chunks = [cols.partial_row_id(r, 0) for r in unknown]
-            if await asyncio.to_thread(self.client.existing, self.config.partials_table, first_chunks):
+            if await asyncio.to_thread(self.client.written, self.config.partials_table, first_chunks):
                 found = await asyncio.to_thread(self._found_partials)
                 self._partials.update({r: found[r] for r in unknown if r in found})
 
