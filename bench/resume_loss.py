@@ -10,8 +10,9 @@ row is the same run left alone. The kills: the data-plane host's controller (a),
 stopping the run or restarted in place (`[roles.inference] max_restarts = 1`) (b), training rank 0 (c),
 and restarted in place, the rollout process (d) and a multi-turn recipe's environment process (e). Wall
 is from launch to the end of the last run, lost is its excess over the undisturbed run.
-Versions redone are those the killed run had trained past the checkpoint it resumed from; their trained
-tokens were thrown away and generated again. What an engine restarted in place had generated and not yet
+Versions redone are those the killed run had trained past the checkpoint it resumed from; their training
+was thrown away, and their rows generated again unless kept on disk (then counted in the kept column as
+trained again). What an engine restarted in place had generated and not yet
 written (its rows in flight) is generated again too (unless `sampling.keep_partial_every` kept it in
 chunks), and not counted here. Each set of kills runs once per `--durable` mode ([dataplane] durable):
 with rows on disk, a resumed run keeps the generated rows it can still use (counted from its kept-rows
