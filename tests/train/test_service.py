@@ -348,10 +348,10 @@ def test_with_ack_when_checkpointed_a_version_s_rows_retire_only_once_a_checkpoi
         assert [trained(), trained()] == [0, 0]  # version 2's checkpoint is being written
         written(2)
         assert trained() == 2 * 2, "versions 1 and 2 acked once their checkpoint was written"
-        time.sleep(2.0)  # past half the lease: version 3's is renewed
+        time.sleep(2.0)
         assert trained() == 2 * 2
         written(4)
-        time.sleep(2.0)  # version 3's rows held past their first lease
+        time.sleep(2.0)  # version 3's rows held past their 3 s lease: renewed meanwhile
         assert trained() == 4 * 2
     else:
         assert [trained() for _ in range(5)] == [0, 2 * 2, 2 * 2, 4 * 2, 4 * 2]

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from meshy.dataplane import HOST, Batch, DataPlaneClient, SchemaError
+from meshy.dataplane import HOST, Batch, DataPlaneClient, DataPlaneError, LeaseLostError, SchemaError
 from meshy.dataplane import columns as cols
 from meshy.dataplane.fields import check_fields
 from meshy.dataplane.weights import Published
@@ -269,6 +269,9 @@ class TrainingService:
         self._closing = threading.Event()
         self._unacked: list[tuple[int, Batch]] = []  # (the version it trained, its rows), until checkpointed
         self._saving: int | None = None  # the version of the background checkpoint being written
+        self._renew_failed: BaseException | None = None
+        if config.ack_when_checkpointed:
+            threading.Thread(target=self._renew_held, name="meshy-train-renew", daemon=True).start()
 
     def publish_initial(self) -> Published | None:
         """Announce the starting weights as the current version, so engines start from the same ones."""
@@ -287,6 +290,8 @@ class TrainingService:
     def train_batch(self, batch: Batch | None, waited: float = 0.0) -> dict[str, Any]:
         """Train on a batch, ack it, publish version + 1. Returns this version's metrics (the same on every
         rank). A colocated trainer calls it holding the devices, after `wait_for_batch` returned."""
+        if self._renew_failed is not None:
+            raise self._renew_failed
         rows, dropped, staleness = self._version_rows(batch)
         minibatches = self._minibatches(rows)
         self._hold_old_logprobs(minibatches)
@@ -407,16 +412,27 @@ class TrainingService:
                 self._ack_through(self.version)
 
     def _ack_checkpointed(self) -> None:
-        """With ack_when_checkpointed: ack the rows of versions a written checkpoint holds, and renew the
-        leases of the others before they run out."""
+        """Ack the rows of the versions the background checkpoint just written holds."""
         if self._saving is not None and self._background_saves.written():
             self._background_saves.wait()  # raises its error, if it failed
             self._ack_through(self._saving)
             self._saving = None
-        renew_before = time.monotonic() + self.config.lease_s / 2
-        for _, batch in self._unacked:
-            if batch.deadline < renew_before:
-                self.client.renew(batch, self.config.lease_s)
+
+    def _renew_held(self) -> None:
+        """With ack_when_checkpointed (a thread of its own): renew the leases of the rows held for a checkpoint
+        every third of the lease, however long a version takes; a lease lost anyway (its rows offered again)
+        fails the next version."""
+        while not self._closing.wait(self.config.lease_s / 3):
+            for _, batch in list(self._unacked):
+                try:
+                    self.client.renew(batch, self.config.lease_s)
+                except LeaseLostError as e:
+                    if any(held is batch for _, held in self._unacked):  # not just acked by the trainer
+                        self._renew_failed = e
+                        return
+                except DataPlaneError as e:  # the data plane is gone: the next version finds it so too
+                    self._renew_failed = e
+                    return
 
     def _ack_through(self, version: int | None) -> None:
         """Ack the rows held for versions up to `version` (None: none)."""
