@@ -13,14 +13,15 @@ import torch.distributed as dist
 
 from meshy.dataplane import DataPlaneError, SchemaError
 from meshy.recipes.launch.nodes import node_rank
-from meshy.recipes.recipe import CustomRoleSpec, Recipe, RoleSpec
+from meshy.recipes.recipe import BUILTIN_ROLES, CustomRoleSpec, Recipe, RoleSpec
 from meshy.recipes.recipe.topology import Slot, assign, on_node
 from meshy.recipes.roles.context import RoleContext, announce_stop
 from meshy.recipes.usercode.imports import import_object
 from meshy.recipes.usercode.task_errors import TASK_ERROR_FILE, TaskError
 
 
-def role_class(recipe: Recipe, slot: Slot) -> type:
+def role_path(recipe: Recipe, slot: Slot) -> str:
+    """The role's class, as "package.module:Class"."""
     builtin = {
         "training": "meshy.recipes.roles.training:TrainingRole",
         "inference": "meshy.recipes.roles.inference:InferenceRole",
@@ -32,8 +33,13 @@ def role_class(recipe: Recipe, slot: Slot) -> type:
         "eval": "meshy.recipes.roles.eval:EvalRole",
     }
     if slot.role in builtin:
-        return import_object(builtin[slot.role], f"roles.{slot.role}")
-    return import_object(next(c.cls for c in recipe.roles.custom if c.name == slot.role), f"roles.custom.{slot.role}")
+        return builtin[slot.role]
+    return next(c.cls for c in recipe.roles.custom if c.name == slot.role)
+
+
+def role_class(recipe: Recipe, slot: Slot) -> type:
+    field = f"roles.{slot.role}" if slot.role in BUILTIN_ROLES else f"roles.custom.{slot.role}"
+    return import_object(role_path(recipe, slot), field)
 
 
 def cpu_threads(spec: RoleSpec | CustomRoleSpec, slot: Slot) -> int:
