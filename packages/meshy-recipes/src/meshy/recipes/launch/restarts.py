@@ -4,9 +4,9 @@ and starts it again when a signal kills it (SIGKILL, the OOM killer), while the 
 The rank process (torchrun's) keeps what outlives the role: its slot, the data-plane servers it may host,
 torchrun's end-of-run handshake. Children fork from a server process that imported torch and the role's
 module once, so a restart costs a fork, not a new interpreter's imports. The child connects to the data
-plane anew and builds the role from the recipe; the rows its predecessor held go back to the pool as it starts (their leases, short and renewed
-while the rows are generated, would run out soon anyway), and an engine built anew starts from the newest
-version announced.
+plane anew and builds the role from the recipe; the rows its predecessor held go back to the pool as it
+starts (their leases, short and renewed while the rows are generated, would run out soon anyway), and an
+engine built anew starts from the newest version announced.
 A child that fails by itself (an exception: a bug, not bad luck) stops the run as any process does, and so
 does a kill past `max_restarts`.
 """
