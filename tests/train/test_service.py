@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshy.dataplane import SchemaError
+from meshy.dataplane import DataPlaneClient, LeaseLostError, SchemaError
 from meshy.dataplane import columns as cols
 from meshy.dataplane.weights import Published
 from meshy.train import checkpoint
@@ -361,6 +361,35 @@ def test_with_ack_when_checkpointed_a_version_s_rows_retire_only_once_a_checkpoi
     service.close()
     with pytest.raises(SchemaError, match="ack_when_checkpointed: needs checkpoint_every >= 1"):
         TrainServiceConfig(table=table, ack_when_checkpointed=True)
+
+
+def test_rows_held_for_a_checkpoint_whose_lease_is_lost_anyway_fail_the_next_version(
+    client, unique, tmp_path, dataplane, secret
+):
+    """A held version's rows offered again (their lease released, here as for a consumer taken for dead) could
+    be trained twice: the renewing thread notices and the next version raises instead of training."""
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
+    put_groups(client, table, range(3), 2, ARCH.vocab_size)
+    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
+    config = TrainServiceConfig(
+        table=table, groups_per_rank=1, batch_timeout_s=5, lease_s=0.6, checkpoint_every=5, ack_when_checkpointed=True
+    )
+    service = TrainingService(
+        client,
+        PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none")),
+        DirectoryPublisher(tmp_path / "weights", ARCH, dtype="float32"),
+        config,
+        checkpoint_dir=tmp_path / "checkpoints",
+    )
+    service.train_batch(service.wait_for_batch())
+    with DataPlaneClient(dataplane.endpoints, secret, name="other") as other:
+        assert other.release_consumer(table, client.consumer_id) >= 1
+    deadline = time.monotonic() + 30
+    with pytest.raises(LeaseLostError):
+        while time.monotonic() < deadline:  # the renewing thread tries every third of the lease
+            time.sleep(0.1)
+            service.train_batch(service.wait_for_batch())
+    service.close()
 
 
 def test_a_step_with_no_token_to_train_leaves_every_weight_where_it_is():
