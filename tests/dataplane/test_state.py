@@ -171,7 +171,7 @@ def test_rows_put_are_reported_written_while_held_and_once_consumed_but_not_once
 
 @pytest.mark.parametrize("order", [list(range(12)), list(range(11, -1, -1)), [5, 0, 9, 2, 7, 1, 11, 3, 8, 4, 10, 6]])
 def test_row_ranges_hold_exactly_the_rows_added_in_as_few_ranges_as_they_make(order):
-    ranges = RowRanges()
+    ranges = RowRanges(max_ranges=12)
     for i, row in enumerate(order):
         ranges.add(row)
         ranges.add(row)  # twice changes nothing
@@ -181,6 +181,27 @@ def test_row_ranges_hold_exactly_the_rows_added_in_as_few_ranges_as_they_make(or
         assert len(ranges) == runs
     ranges.clear()
     assert len(ranges) == 0 and 0 not in ranges
+
+
+def test_row_ranges_past_their_bound_hold_nothing_and_a_table_refuses_to_say_what_was_written():
+    """Ids with gaps (a multi-turn run's turns) would make a range per row: the set gives up instead of growing."""
+    ranges = RowRanges(max_ranges=3)
+    for row in (0, 2, 4):
+        ranges.add(row)
+    assert len(ranges) == 3 and not ranges.overflowed
+    ranges.add(1)  # joins two ranges into one
+    ranges.add(9)
+    assert len(ranges) == 3 and not ranges.overflowed
+    ranges.add(11)
+    assert ranges.overflowed and len(ranges) == 0 and 0 not in ranges
+    ranges.clear()
+    ranges.add(5)
+    assert not ranges.overflowed and 5 in ranges
+    t = table(retire_after=("train",))
+    t.declare_task("train", ["prompt"], whole_groups=False)
+    t.retired_rows.overflowed = True
+    with pytest.raises(SchemaError, match="table 't': its retired row ids left over 65536 gaps"):
+        t.written([0])
 
 
 def test_a_row_leased_by_another_task_outlives_its_retiring_ack_until_that_lease_ends():

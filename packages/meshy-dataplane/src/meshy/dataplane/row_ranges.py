@@ -1,11 +1,17 @@
 """A set of row ids kept as sorted, disjoint [start, end) ranges: rows retire in long runs of consecutive
-ids, so a table remembers every row it ever retired in a few ranges instead of one entry per row."""
+ids, so a table remembers every row it ever retired in a few ranges instead of one entry per row.
+
+A table whose ids leave gaps (a multi-turn run's turns: a range per trajectory) would make as many ranges as
+rows; past `max_ranges` the set gives up (`overflowed`) and holds nothing, so its memory stays bounded and a
+question it can no longer answer is refused rather than answered wrong."""
 
 import bisect
 
 
 class RowRanges:
-    def __init__(self) -> None:
+    def __init__(self, max_ranges: int) -> None:
+        self.max_ranges = max_ranges
+        self.overflowed = False
         self._starts: list[int] = []
         self._ends: list[int] = []
 
@@ -18,6 +24,8 @@ class RowRanges:
         return len(self._starts)
 
     def add(self, row: int) -> None:
+        if self.overflowed:
+            return
         i = bisect.bisect_right(self._starts, row) - 1  # the range starting at or before row, if any
         if i >= 0 and row < self._ends[i]:
             return
@@ -30,10 +38,15 @@ class RowRanges:
             self._ends[i] = row + 1
         elif joins_right:
             self._starts[i + 1] = row
+        elif len(self._starts) == self.max_ranges:
+            self.clear()
+            self.overflowed = True
         else:
             self._starts.insert(i + 1, row)
             self._ends.insert(i + 1, row + 1)
 
     def clear(self) -> None:
+        """Hold nothing, and answer again (from rows added from now on)."""
         self._starts.clear()
         self._ends.clear()
+        self.overflowed = False

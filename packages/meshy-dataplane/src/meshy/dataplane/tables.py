@@ -17,6 +17,8 @@ from meshy.dataplane.errors import LeaseLostError, RowConflictError, SchemaError
 from meshy.dataplane.row_ranges import RowRanges
 from meshy.dataplane.schema import TableSpec
 
+MAX_RETIRED_RANGES = 1 << 16  # runs of consecutive retired row ids a table remembers (a few MB at most)
+
 
 @dataclass(slots=True)
 class _Row:
@@ -77,7 +79,7 @@ class TableState:
         self.retired = 0
         # every row its consumers retired (not those dropped), since the data plane started or was resumed: what a
         # producer started again asks for (`written`), so as not to write again a row consumed already
-        self.retired_rows = RowRanges()
+        self.retired_rows = RowRanges(MAX_RETIRED_RANGES)
 
     # ---- writes -------------------------------------------------------------------------------
     def check_commit(
@@ -348,6 +350,11 @@ class TableState:
 
     def written(self, row_ids: Sequence[int]) -> list[int]:
         """Which of `row_ids` were put and not dropped: held now, or consumed and retired."""
+        if self.retired_rows.overflowed:
+            raise SchemaError(
+                f"table '{self.spec.name}': its retired row ids left over {MAX_RETIRED_RANGES} gaps, past what it "
+                "remembers; written() answers for tables whose row ids run on without gaps"
+            )
         return [r for r in row_ids if r in self.rows or r in self.retired_rows]
 
     def check_drop(self, row_ids: Sequence[int]) -> None:
