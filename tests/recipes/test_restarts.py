@@ -114,24 +114,8 @@ def test_a_killed_reference_or_teacher_restarts_in_place_and_the_run_finishes_by
     """The scoring roles hold nothing of the run's progress: killed mid-run, started again in place, they
     score the rows their predecessor held, and the run ends on its own with every row scored once."""
     process = f"{role}-0"
-    run = subprocess.Popen(
-        [*COMMAND, str(scoring_recipe(tmp_path, role))],
-        env=repo_env(),
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        run_dir = wait_for_version(run, tmp_path, 3)
-        first = engine_process(run_dir, 0, process)
-        os.kill(first, signal.SIGKILL)
-        engine_process(run_dir, 1, process)
-        _, stderr = run.communicate(timeout=300)
-    finally:
-        kill_tree(run)
-        run.wait()
-    assert run.returncode == 0, stderr.decode()[-5000:]
-    assert f"{role} process 0 (pid {first}) was killed by SIGKILL; starting it again" in stderr.decode()
+    run_dir, first, stderr = run_killing(scoring_recipe(tmp_path, role), tmp_path, process)
+    assert f"{role} process 0 (pid {first}) was killed by SIGKILL; starting it again" in stderr
     metrics = check_run(run_dir, 0, steps=STEPS)
     assert all(m["rows_trained"] == GROUPS * GROUP and not m["dropped"] for m in metrics), "every row was scored"
     (restart,) = [r for r in records(run_dir, process) if r["kind"] == "restart"]

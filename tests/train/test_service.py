@@ -274,15 +274,10 @@ def test_epochs_pass_over_a_version_s_minibatches_again_clipped_against_where_th
     assert clipped[2] > clipped[1]
 
 
-def test_a_version_s_metrics_line_is_written_before_its_checkpoint(client, unique, tmp_path, monkeypatch):
-    """A resumed run keeps the metrics lines up to its checkpoint's version: a process killed after saving
-    version 4's checkpoint and before writing version 4's line left the run without it for good (the slow
-    tier's kill test, under load). Each checkpoint must find its version's line already written."""
-    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
-    put_groups(client, table, range(2), 2, ARCH.vocab_size)
+def checkpointing_service(client, config: TrainServiceConfig, tmp_path: Path) -> TrainingService:
+    """A service training a tiny model from seed 0, with its metrics and checkpoints under tmp_path."""
     model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
-    config = TrainServiceConfig(table=table, groups_per_rank=1, batch_timeout_s=5, checkpoint_every=1)
-    service = TrainingService(
+    return TrainingService(
         client,
         PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none")),
         DirectoryPublisher(tmp_path / "weights", ARCH, dtype="float32"),
@@ -290,6 +285,16 @@ def test_a_version_s_metrics_line_is_written_before_its_checkpoint(client, uniqu
         metrics=MetricsLog(tmp_path / "metrics.jsonl"),
         checkpoint_dir=tmp_path / "checkpoints",
     )
+
+
+def test_a_version_s_metrics_line_is_written_before_its_checkpoint(client, unique, tmp_path, monkeypatch):
+    """A resumed run keeps the metrics lines up to its checkpoint's version: a process killed after saving
+    version 4's checkpoint and before writing version 4's line left the run without it for good (the slow
+    tier's kill test, under load). Each checkpoint must find its version's line already written."""
+    table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
+    put_groups(client, table, range(2), 2, ARCH.vocab_size)
+    config = TrainServiceConfig(table=table, groups_per_rank=1, batch_timeout_s=5, checkpoint_every=1)
+    service = checkpointing_service(client, config, tmp_path)
     found = {}
     save = checkpoint.BackgroundSaves.save  # checkpoint_in_background is the default
 
@@ -314,7 +319,6 @@ def test_with_ack_when_checkpointed_a_version_s_rows_retire_only_once_a_checkpoi
     that a run resumed from that checkpoint can train them again; a checkpoint written acks them."""
     table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     put_groups(client, table, range(5), 2, ARCH.vocab_size)
-    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     config = TrainServiceConfig(
         table=table,
         groups_per_rank=1,
@@ -324,14 +328,7 @@ def test_with_ack_when_checkpointed_a_version_s_rows_retire_only_once_a_checkpoi
         checkpoint_in_background=background,
         ack_when_checkpointed=True,
     )
-    service = TrainingService(
-        client,
-        PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none")),
-        DirectoryPublisher(tmp_path / "weights", ARCH, dtype="float32"),
-        config,
-        metrics=MetricsLog(tmp_path / "metrics.jsonl"),
-        checkpoint_dir=tmp_path / "checkpoints",
-    )
+    service = checkpointing_service(client, config, tmp_path)
 
     def trained() -> int:
         """Trains a version; how many rows have retired."""
@@ -370,17 +367,10 @@ def test_rows_held_for_a_checkpoint_whose_lease_is_lost_anyway_fail_the_next_ver
     be trained twice: the renewing thread notices and the next version raises instead of training."""
     table = client.create_table(cols.rollout_table(unique("rollout"), group_size=2, tasks=(cols.TRAIN_TASK,))).name
     put_groups(client, table, range(3), 2, ARCH.vocab_size)
-    model, _ = build_model(ARCH, ParallelConfig(), device="cpu", seed=0)
     config = TrainServiceConfig(
         table=table, groups_per_rank=1, batch_timeout_s=5, lease_s=0.6, checkpoint_every=5, ack_when_checkpointed=True
     )
-    service = TrainingService(
-        client,
-        PolicyTrainer(model, OptimConfig(lr=1e-2), LossConfig(tis="none")),
-        DirectoryPublisher(tmp_path / "weights", ARCH, dtype="float32"),
-        config,
-        checkpoint_dir=tmp_path / "checkpoints",
-    )
+    service = checkpointing_service(client, config, tmp_path)
     service.train_batch(service.wait_for_batch())
     with DataPlaneClient(dataplane.endpoints, secret, name="other") as other:
         assert other.release_consumer(table, client.consumer_id) >= 1
